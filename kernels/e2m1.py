@@ -1,0 +1,55 @@
+"""E2M1 (FP4) codes: encode with round-to-nearest-even, decode, and nibble packing.
+
+A code is 4 bits: bit 3 is the sign, bits 0-2 index the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+Two codes share a byte with the **low nibble holding the even element** (DeepSeek, ModelOpt and
+compressed-tensors agree). Negative zero (code 0x8) occurs in real checkpoints; packing and
+unpacking preserve every code bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+
+# Thresholds between consecutive magnitudes. Ties go to the even code, so the comparison is
+# strict (>) where the upper code is odd and inclusive (>=) where it is even.
+_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_UPPER_IS_EVEN = (False, True, False, True, False, True, False)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 codes [..., 2n] (values 0..15) into bytes [..., n]; element 2i goes to the low nibble."""
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"pack_nibbles expects uint8 codes, got {codes.dtype}")
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_nibbles needs an even last dimension, got shape {tuple(codes.shape)}")
+    return (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_nibbles`: bytes [..., n] (uint8 or int8) -> codes [..., 2n] uint8."""
+    packed = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_nibbles expects uint8/int8 bytes, got {packed.dtype}")
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8, 0..15) -> float32 values (code 0x8 decodes to -0.0)."""
+    table = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), dtype=torch.float32)
+    return table.to(codes.device)[codes.long()]
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """float -> E2M1 codes, round to nearest with ties to the even code, saturating at +-6.
+
+    The sign bit follows ``signbit(x)``, so negative values that round to zero give -0 (0x8),
+    as the hardware conversion does. ``x`` must be finite.
+    """
+    mag = x.abs().float()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for threshold, even in zip(_THRESHOLDS, _UPPER_IS_EVEN):
+        code += (mag >= threshold if even else mag > threshold).to(torch.uint8)
+    return code | (torch.signbit(x).to(torch.uint8) << 3)

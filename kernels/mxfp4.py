@@ -1,0 +1,96 @@
+"""MXFP4 (E2M1 elements, one E8M0 scale per 32 along K) and its closed-form cast to NVFP4.
+
+Dequantisation: ``x = e2m1 * 2**(e8m0 - 127)``.
+
+The cast (ModelOpt ``--cast_mxfp4_to_nvfp4``) keeps every nibble and moves the power-of-two
+scales onto one global scale shared by all the matrices given (w1 and w3 of an expert, so the
+fused w13 has one ``alpha``): over the non-zero 32-blocks, ``k = e8m0 - 127``, ``k_max = max k``,
+``m = k_max - 8``, ``alpha = 2**m`` and each 16-block gets ``sb = 2**(k - m)``. E4M3 holds
+``2**j`` exactly for ``j`` in [-9, 8], so the cast is exact whenever ``k_max - k <= 17``.
+
+Policies (documented in docs/format.md):
+
+* **all-zero 32-block**: its value is zero whatever the scale; it gets ``2**clamp(k - m, -9, 8)``
+  and is not counted as a fallback.
+* **out-of-range block** (non-zero, ``k < k_max - 17``): the scale is the smallest, ``2**-9``,
+  and the codes are re-rounded (RNE) to that coarser step. This is lossy; such blocks are
+  counted and the counts reported.
+* **all-zero matrix set**: ``alpha = 1`` (``m = 0``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
+from .scales import E8M0_NAN, decode_e8m0, e8m0_exponent, pow2_e4m3
+
+MX_BLOCK = 32
+E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """packed int8/uint8 [..., K/2], E8M0 bytes [..., K/32] -> float32 [..., K]."""
+    values = decode_e2m1(unpack_nibbles(packed))
+    values = values.reshape(*values.shape[:-1], -1, MX_BLOCK) * decode_e8m0(scales).unsqueeze(-1)
+    return values.flatten(-2)
+
+
+@dataclass(frozen=True)
+class CastResult:
+    """Outcome of :func:`mxfp4_to_nvfp4`: one (packed, nvfp4 scales) per input, the shared alpha, fallbacks."""
+
+    packed: list[torch.Tensor]
+    scales: list[torch.Tensor]
+    alpha: float
+    fallback_blocks: int
+
+
+def _nonzero_blocks(packed: torch.Tensor) -> torch.Tensor:
+    # A nibble is a zero value when its magnitude bits are 0 (+0 or -0).
+    codes = unpack_nibbles(packed)
+    return ((codes & 0x7) != 0).reshape(*codes.shape[:-1], -1, MX_BLOCK).any(dim=-1)
+
+
+def shared_exponent(packed: list[torch.Tensor], scales: list[torch.Tensor]) -> int:
+    """``m = k_max - 8`` over the non-zero 32-blocks of all the matrices (0 if all are zero)."""
+    k_max = None
+    for p, s in zip(packed, scales):
+        if (s.view(torch.uint8) == E8M0_NAN).any():
+            raise ValueError("E8M0 scale byte 0xFF (NaN) cannot be cast")
+        nz = _nonzero_blocks(p)
+        if nz.any():
+            top = int(e8m0_exponent(s)[nz].max())
+            k_max = top if k_max is None else max(k_max, top)
+    return 0 if k_max is None else k_max - E4M3_POW2_MAX
+
+
+def mxfp4_to_nvfp4(packed: list[torch.Tensor], scales: list[torch.Tensor]) -> CastResult:
+    """Cast MXFP4 matrices (e.g. [w1, w3]) onto one NVFP4 global scale; see the module docstring."""
+    m = shared_exponent(packed, scales)
+    out_packed, out_scales, fallbacks = [], [], 0
+    for p, s in zip(packed, scales):
+        p = p.view(torch.uint8)
+        rel = e8m0_exponent(s) - m
+        nz = _nonzero_blocks(p)
+        out_of_range = nz & (rel < E4M3_POW2_MIN)
+        sb = pow2_e4m3(rel.clamp(E4M3_POW2_MIN, E4M3_POW2_MAX))
+        if out_of_range.any():
+            fallbacks += int(out_of_range.sum())
+            p = _requantize_blocks(p, rel, out_of_range)
+        out_packed.append(p)
+        out_scales.append(sb.repeat_interleave(2, dim=-1))
+    alpha = float(torch.ldexp(torch.tensor(1.0), torch.tensor(m)))
+    return CastResult(out_packed, out_scales, alpha, fallbacks)
+
+
+def _requantize_blocks(packed: torch.Tensor, rel: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Re-round the codes of masked 32-blocks from step 2**rel to step 2**-9 (relative to alpha)."""
+    codes = unpack_nibbles(packed)
+    blocks = codes.reshape(*codes.shape[:-1], -1, MX_BLOCK)
+    shift = (rel - E4M3_POW2_MIN).clamp(max=0).unsqueeze(-1).float()
+    requant = encode_e2m1(decode_e2m1(blocks) * torch.exp2(shift))
+    blocks = torch.where(mask.unsqueeze(-1), requant, blocks)
+    return pack_nibbles(blocks.reshape(codes.shape))

@@ -1,0 +1,62 @@
+"""The 128x4 block-scale swizzle that Blackwell block-scaled MMA reads (and our Hopper kernels too).
+
+Scales of an [M, K] NVFP4 matrix form an [M, Kb] byte matrix (Kb = K/16). Rows are padded to a
+multiple of 128 and scale columns to a multiple of 4, with zero bytes. Row m, scale column kb
+lands at
+
+    offset = ((m // 128) * ceil(Kb/4) + kb // 4) * 512 + (m % 32) * 16 + ((m // 32) % 4) * 4 + kb % 4
+
+so a 128-row x 64-K weight tile finds all 512 of its scales in one contiguous atom (CUTLASS
+``Sm1xxBlockScaledConfig``, torchao ``to_blocked``, torch ``SWIZZLE_32_4_4``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROW_ATOM = 128
+COL_ATOM = 4
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def swizzled_shape(rows: int, scale_cols: int) -> tuple[int, int]:
+    """Padded (rows, scale columns) of the swizzled layout."""
+    return _ceil_to(rows, ROW_ATOM), _ceil_to(scale_cols, COL_ATOM)
+
+
+def swizzled_nbytes(rows: int, scale_cols: int) -> int:
+    """Bytes the swizzled scales of an [rows, scale_cols] scale matrix occupy."""
+    r, c = swizzled_shape(rows, scale_cols)
+    return r * c
+
+
+def swizzle_block_scales(scales: torch.Tensor) -> torch.Tensor:
+    """[M, Kb] uint8 scale bytes -> flat uint8 [swizzled_nbytes(M, Kb)] (zero padding)."""
+    if scales.dim() != 2:
+        raise ValueError(f"swizzle_block_scales expects [M, Kb], got shape {tuple(scales.shape)}")
+    m, kb = scales.shape
+    mp, kbp = swizzled_shape(m, kb)
+    padded = torch.zeros((mp, kbp), dtype=scales.dtype, device=scales.device)
+    padded[:m, :kb] = scales
+    # (row block, row//32 % 4, row % 32, col block, col % 4) -> (row block, col block, row%32, row//32%4, col%4)
+    tiles = padded.view(mp // ROW_ATOM, 4, 32, kbp // COL_ATOM, COL_ATOM)
+    return tiles.permute(0, 3, 2, 1, 4).reshape(-1)
+
+
+def unswizzle_block_scales(flat: torch.Tensor, rows: int, scale_cols: int) -> torch.Tensor:
+    """Inverse of :func:`swizzle_block_scales`: flat bytes -> [rows, scale_cols] (padding dropped)."""
+    mp, kbp = swizzled_shape(rows, scale_cols)
+    if flat.numel() != mp * kbp:
+        raise ValueError(f"swizzled scales of [{rows}, {scale_cols}] hold {mp * kbp} bytes, got {flat.numel()}")
+    tiles = flat.reshape(mp // ROW_ATOM, kbp // COL_ATOM, 32, 4, COL_ATOM)
+    return tiles.permute(0, 3, 2, 1, 4).reshape(mp, kbp)[:rows, :scale_cols]
+
+
+def swizzle_padding(flat: torch.Tensor, rows: int, scale_cols: int) -> torch.Tensor:
+    """The padding bytes of a swizzled scale block (all must be zero in a well-formed file)."""
+    mp, kbp = swizzled_shape(rows, scale_cols)
+    full = flat.reshape(mp // ROW_ATOM, kbp // COL_ATOM, 32, 4, COL_ATOM).permute(0, 3, 2, 1, 4).reshape(mp, kbp)
+    return torch.cat((full[rows:, :].reshape(-1), full[:rows, scale_cols:].reshape(-1)))
