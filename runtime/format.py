@@ -1,0 +1,55 @@
+"""Format 1, the converted checkpoint: names, file names and version checks shared by writer and reader.
+
+``docs/format.md`` is the specification; this module is its executable part. ``convert`` writes
+what is named here and ``runtime`` reads it, so neither spells a file or tensor name on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FORMAT_NAME = "nvfp4-megamoe"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "nvfp4_manifest.json"
+INDEX_FILE = "model.safetensors.index.json"
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
+
+# Keys every shard header's __metadata__ carries.
+SHARD_METADATA = {"format": "pt", "nvfp4_format": FORMAT_NAME, "nvfp4_format_version": str(FORMAT_VERSION)}
+
+
+class FormatError(ValueError):
+    """A folder is not a format-1 checkpoint this version can read; the message says what to do."""
+
+
+def shard_name(i: int, n: int) -> str:
+    """File name of output shard ``i`` (1-based) of ``n``."""
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def fused_expert_names(prefix: str, proj: str) -> dict[str, str]:
+    """Tensor names of a stacked/fused NVFP4 projection (``proj`` is ``w13`` or ``w2``) under ``prefix``."""
+    base = f"{prefix}.{proj}"
+    return {"weight": f"{base}.weight", "weight_scale": f"{base}.weight_scale", "alpha": f"{base}.alpha"}
+
+
+def read_manifest(path: str | Path) -> dict:
+    """Load and check a converted checkpoint's manifest.
+
+    Raises :class:`FormatError` if ``path`` holds no manifest (not converted: run
+    ``nvfp4-convert convert`` first) or one written by a newer/unknown format.
+    """
+    file = Path(path) / MANIFEST_FILE
+    if not file.is_file():
+        raise FormatError(f"{path}: no {MANIFEST_FILE}; this is not a converted checkpoint. "
+                          f"Convert it first with `nvfp4-convert convert SRC {path}`.")
+    manifest = json.loads(file.read_text())
+    name, version = manifest.get("format"), manifest.get("format_version")
+    if name != FORMAT_NAME:
+        raise FormatError(f"{file}: format {name!r} is not {FORMAT_NAME!r}")
+    if version != FORMAT_VERSION:
+        raise FormatError(f"{file}: format version {version} is not supported by this version "
+                          f"(reads version {FORMAT_VERSION}); upgrade nvfp4-megamoe or re-convert.")
+    return manifest
