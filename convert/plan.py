@@ -1,0 +1,219 @@
+"""The plan: every source tensor matched to one rule, grouped into units, outputs laid out in shards.
+
+Built from the config and the safetensors headers alone (no tensor data), so ``--dry-run`` and
+the Hub path need no shard download. Any tensor that matches no rule or two, a unit missing a
+sibling, a layer missing an expert, or a shape that contradicts config.json raises
+:class:`PlanError` listing every offender before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .errors import PlanError
+from .rules import FUSED, FUSED_PARTS, matching_rules
+from .source import SourceTensor
+from .units import ROLES, FusedMatrices, OutputSpec, Passthrough, Unit
+
+DEFAULT_SHARD_SIZE = 5 * 10**9
+DENSE_MODES = ("nvfp4", "keep")
+
+
+class PlanSource(Protocol):
+    config: dict
+    tensors: dict[str, SourceTensor]
+    files: list[str]
+    description: str
+
+
+@dataclass
+class Options:
+    """What a conversion does; hashed into the manifest so ``--resume`` can refuse a changed run."""
+
+    dense: str = "nvfp4"
+    shard_size: int = DEFAULT_SHARD_SIZE
+
+    def as_dict(self) -> dict:
+        return {"dense": self.dense, "shard_size": self.shard_size}
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class Plan:
+    options: Options
+    units: list[Unit]
+    shards: list[list[OutputSpec]]
+    rule_counts: Counter = field(default_factory=Counter)
+
+    @property
+    def outputs(self) -> list[OutputSpec]:
+        return [o for shard in self.shards for o in shard]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(o.nbytes for o in self.outputs)
+
+
+def classify(source: PlanSource) -> tuple[dict, Counter]:
+    """Match every tensor to exactly one rule; group them by unit key. Raises on any offender."""
+    dtype_of = {n: t.info.dtype for n, t in source.tensors.items()}
+    groups: dict[tuple, dict] = defaultdict(lambda: {"fmt": set(), "members": {}})
+    counts: Counter = Counter()
+    offenders = []
+    for name, t in source.tensors.items():
+        found = matching_rules(name, t.info.dtype, dtype_of)
+        if len(found) != 1:
+            reason = (f"matches no rule (dtype {t.info.dtype}, shape {list(t.info.shape)}): unknown tensor, or a "
+                      "weight without its scale" if not found else
+                      "matches several rules: " + ", ".join(r.name for r, _ in found))
+            offenders.append((name, t.file, reason))
+            continue
+        rule, m = found[0]
+        counts[rule.name] += 1
+        if rule.family == "passthrough":
+            key: tuple = ("passthrough", name)
+            member: tuple = (name,)
+        elif rule.family == "routed":
+            key, member = ("routed", m["unit"], FUSED[m["w"]]), (int(m["e"]), m["w"], m["role"])
+        elif rule.family == "shared":
+            key, member = ("dense", m["unit"], FUSED[m["w"]]), (0, m["w"], m["role"])
+        else:
+            key, member = ("dense", m["unit"], None), (0, None, m["role"])
+        groups[key]["fmt"].add(rule.fmt)
+        groups[key]["members"][member] = name
+    if offenders:
+        raise PlanError("source tensors that cannot be mapped", offenders)
+    return groups, counts
+
+
+def _shape(source: PlanSource, name: str) -> tuple[int, ...]:
+    return source.tensors[name].info.shape
+
+
+def _expected_shapes(fmt: str, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+    blocks = (-(-rows // 128), -(-cols // 128))
+    return {
+        "mxfp4": {"weight": ((rows, cols // 2),), "scale": ((rows, cols // 32),)},
+        "fp8": {"weight": ((rows, cols),), "scale": (blocks,)},
+        "nvfp4": {"weight": ((rows, cols // 2),), "weight_scale": ((rows, cols // 16),),
+                  "weight_scale_2": ((), (1,)), "input_scale": ((), (1,))},
+    }[fmt]
+
+
+def _matrix_unit(source: PlanSource, key: tuple, group: dict, config: dict, offenders: list) -> FusedMatrices | None:
+    kind, prefix, fused = key
+    fmts = group["fmt"]
+    members = group["members"]
+    first = next(iter(members.values()))
+    file_of = lambda n: source.tensors[n].file  # noqa: E731
+    if len(fmts) != 1:
+        offenders.append((first, file_of(first), f"{prefix} mixes source formats {sorted(fmts)}"))
+        return None
+    fmt = fmts.pop()
+    if kind == "routed":
+        n_experts = int(config.get("n_routed_experts", 0))
+        hidden, inter = int(config["hidden_size"]), int(config["moe_intermediate_size"])
+        rows, cols = (inter, hidden) if fused == "w13" else (hidden, inter)
+        items = range(n_experts)
+        parts = FUSED_PARTS[fused]
+        out_prefix = f"{prefix}.{fused}"
+        extra = sorted({e for e, _, _ in members} - set(items))
+        for e in extra:
+            n = next(v for (i, _, _), v in members.items() if i == e)
+            offenders.append((n, file_of(n), f"expert {e} is beyond n_routed_experts={n_experts} in config.json"))
+    else:
+        parts = FUSED_PARTS[fused] if fused else (None,)
+        items = range(1)
+        out_prefix = f"{prefix}.{fused}" if fused else prefix
+        w0 = members.get((0, parts[0], "weight"))
+        if w0 is None:
+            offenders.append((first, file_of(first), f"{prefix}: missing {parts[0] or ''} weight"))
+            return None
+        shp = _shape(source, w0)
+        rows, cols = shp[0], shp[1] * (2 if fmt != "fp8" else 1)
+    expected = _expected_shapes(fmt, rows, cols)
+    table: list[list[dict[str, str]]] = []
+    for e in items:
+        item = []
+        for w in parts:
+            roles = {}
+            for role in ROLES[fmt]:
+                name = members.get((e, w, role))
+                where = f"{prefix}" + (f".{e}" if kind == "routed" else "") + (f".{w}" if w else "") + f".{role}"
+                if name is None:
+                    offenders.append((where, "-", f"missing (needed by {out_prefix}, source format {fmt})"))
+                    continue
+                if _shape(source, name) not in expected[role]:
+                    offenders.append((name, file_of(name), f"shape {list(_shape(source, name))} contradicts config.json "
+                                      f"(expected {' or '.join(str(list(s)) for s in expected[role])})"))
+                roles[role] = name
+            item.append(roles)
+        table.append(item)
+    if cols % 32 or rows % 8:
+        offenders.append((first, file_of(first), f"shape [{rows}, {cols}] cannot become NVFP4 (needs in % 32 == 0, out % 8 == 0)"))
+    return FusedMatrices(out_prefix, fmt, table, rows, cols, stacked=kind == "routed")
+
+
+def _required_layers(config: dict) -> list[str]:
+    layers = [f"layers.{i}" for i in range(int(config.get("num_hidden_layers", 0)))]
+    return layers + [f"mtp.{i}" for i in range(int(config.get("num_nextn_predict_layers", 0)))]
+
+
+def build_units(source: PlanSource, options: Options) -> tuple[list[Unit], Counter]:
+    """Rule-match, group and validate; returns units in source-file order."""
+    if options.dense not in DENSE_MODES:
+        raise ValueError(f"dense must be one of {DENSE_MODES}, got {options.dense!r}")
+    groups, counts = classify(source)
+    offenders: list[tuple[str, str, str]] = []
+    units: list[Unit] = []
+    for key, group in groups.items():
+        if key[0] == "passthrough" or (key[0] == "dense" and options.dense == "keep"):
+            for name in group["members"].values():
+                info = source.tensors[name].info
+                units.append(Passthrough(name, info.dtype, info.shape))
+        else:
+            unit = _matrix_unit(source, key, group, source.config, offenders)
+            if unit is not None:
+                units.append(unit)
+    present = {(k[1], k[2]) for k in groups if k[0] == "routed"}
+    for layer in _required_layers(source.config):
+        for fused in ("w13", "w2"):
+            if (f"{layer}.ffn.experts", fused) not in present:
+                offenders.append((f"{layer}.ffn.experts.*.{'/'.join(FUSED_PARTS[fused])}", "-",
+                                  "config.json declares this layer but the checkpoint has none of its routed experts"))
+    if offenders:
+        raise PlanError("the source checkpoint is incomplete or inconsistent", offenders)
+    order = {f: i for i, f in enumerate(source.files)}
+    pos = lambda n: (order[source.tensors[n].file], source.tensors[n].info.start)  # noqa: E731
+    units.sort(key=lambda u: min(pos(n) for n in u.sources))
+    return units, counts
+
+
+def assign_shards(outputs: list[OutputSpec], shard_size: int) -> list[list[OutputSpec]]:
+    """Greedy, in order: a new shard starts when the next tensor would pass ``shard_size``.
+
+    A single tensor larger than ``shard_size`` gets a shard of its own.
+    """
+    shards: list[list[OutputSpec]] = [[]]
+    size = 0
+    for o in outputs:
+        if shards[-1] and size + o.nbytes > shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(o)
+        size += o.nbytes
+    return shards
+
+
+def make_plan(source: PlanSource, options: Options | None = None) -> Plan:
+    """The complete plan for converting ``source``; raises :class:`PlanError` on any offender."""
+    options = options or Options()
+    units, counts = build_units(source, options)
+    outputs = [o for u in units for o in u.outputs]
+    return Plan(options, units, assign_shards(outputs, options.shard_size), counts)

@@ -1,0 +1,38 @@
+"""Streaming error statistics for lossy transforms (accumulated matrix by matrix, O(1) memory)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class ErrorStats:
+    """Relative Frobenius error, max abs error and cosine of an approximation against a reference."""
+
+    def __init__(self) -> None:
+        self.diff_sq = self.ref_sq = self.out_sq = self.dot = 0.0
+        self.max_abs = 0.0
+
+    def update(self, reference: torch.Tensor, approx: torch.Tensor) -> None:
+        ref, out = reference.double().reshape(-1), approx.double().reshape(-1)
+        diff = out - ref
+        self.diff_sq += float(diff @ diff)
+        self.ref_sq += float(ref @ ref)
+        self.out_sq += float(out @ out)
+        self.dot += float(ref @ out)
+        if diff.numel():
+            self.max_abs = max(self.max_abs, float(diff.abs().max()))
+
+    def merge(self, other: "ErrorStats") -> None:
+        self.diff_sq += other.diff_sq
+        self.ref_sq += other.ref_sq
+        self.out_sq += other.out_sq
+        self.dot += other.dot
+        self.max_abs = max(self.max_abs, other.max_abs)
+
+    def result(self) -> dict[str, float]:
+        rel = math.sqrt(self.diff_sq / self.ref_sq) if self.ref_sq else (0.0 if not self.diff_sq else math.inf)
+        denom = math.sqrt(self.ref_sq * self.out_sq)
+        cos = self.dot / denom if denom else 1.0
+        return {"rel_fro": rel, "max_abs": self.max_abs, "cosine": cos}

@@ -1,0 +1,758 @@
+"""Tiny synthetic DeepSeek-V4 checkpoints in the official on-disk format, made in code.
+
+This is the project's embedded default source: a seeded, random, well-conditioned
+checkpoint laid out exactly like the released ``deepseek-ai/DeepSeek-V4-*`` repositories
+(native tensor names without a ``model.`` prefix, real dtypes, one layer per shard, a
+standard ``model.safetensors.index.json``), only scaled down.  No network is used.
+
+Public API
+----------
+``PRESETS``                 preset name -> config.json overrides (dims).
+``PRO_OVERRIDES``           preset name -> extra overrides applied for ``variant="pro"``.
+``VARIANTS``                ``("flash", "pro", "base", "modelopt")``.
+``synthetic_config(preset, variant, **overrides)`` -> the config.json dict.
+``write_synthetic(out, preset, variant, seed, *, out_of_range_blocks=0, **overrides)`` -> Path.
+
+Variants
+--------
+``flash``     official V4-Flash layout: FP8 (E4M3 + E8M0 block scales) linears, routed
+              experts MXFP4 (``.weight`` I8 [out, in/2], low nibble = even element,
+              ``.scale`` F8_E8M0 [out, in/32]); compress_ratios ``[0, 0, 4, 128, 4, ..., 0]``.
+``pro``       the same formats; compress_ratios ``[128, 128, 4, 128, 4, ..., 0]`` and the
+              preset's ``PRO_OVERRIDES`` (more experts, wider I, more o_groups, scaling 2.5).
+``base``      ``-Base``: routed experts F8_E4M3 [out, in] with F32 ``.scale``
+              [ceil(out/128), ceil(in/128)]; every FP8 ``.scale`` is F32 (amax/448, not a
+              power of two); ``expert_dtype: "fp8"``.
+``modelopt``  ``nvidia/DeepSeek-V4-Flash-NVFP4``-like: backbone routed experts become
+              ``weight`` U8 [out, in/2] + ``weight_scale`` F8_E4M3 [out, in/16] +
+              ``weight_scale_2`` F32 [] + ``input_scale`` F32 []; w1 and w3 of every expert get
+              *different* ``weight_scale_2`` (non power-of-two ratio); MTP experts stay MXFP4;
+              everything else as flash.  Config gains ``quant_algo: MIXED_PRECISION``,
+              ``moe_quant_algo: NVFP4``, ``group_size: 16``, ``ignore``, ``quantized_layers``,
+              ``config_groups``, ``producer``; an ``hf_quant_config.json`` is written too.
+
+Values
+------
+Every tensor is drawn from its own generator seeded by ``(seed, tensor name)``, so adding a
+tensor never changes the others.  Effective (dequantised) weights are ~N(0, 1/fan_in) with a
+per-block magnitude spread of 2^U(-1, 1); FP8 weights are quantised as DeepSeek does
+(E8M0 scale = 2^ceil(log2(amax/448)), clamp, cast); MXFP4 blocks get
+2^ceil(log2(amax/6)) scales (so k_max - k stays small, a few exponents) and E2M1 codes
+by round-to-nearest-even that keeps the sign (so -0 = 0x8 nibbles occur).
+``out_of_range_blocks=n`` lowers the scale of n non-zero 32-blocks of expert 0's w3 to
+20..23 exponents below k_max (over that expert's w1 and w3 blocks) to exercise the
+MXFP4 -> NVFP4 fallback: in ``layers.0`` for flash/pro, in ``mtp.0`` for modelopt (the only
+MXFP4 experts it has); ``base`` has no MXFP4 experts and refuses.
+Norm weights ~1, hc parameters small, ``attn_sink`` ~0, compressor ``ape`` small, gate bias
+small, ``tid2eid`` rows are distinct experts.
+
+Names and shapes vs DOMAIN.md section 2 / transformers 5.23
+----------------------------------------------------------
+Names follow the official checkpoint (DOMAIN.md); transformers' ``conversion_mapping``
+for ``deepseek_v4`` renames exactly these native names (``attn``->``self_attn``,
+``ffn``->``mlp``, ``indexer.compressor``->``compressor.indexer``, ``ape``->``position_bias``,
+``gate.bias``->``e_score_correction_bias``, experts w1/w3 fused into ``gate_up_proj``, ...)
+and ignores ``mtp.*``.  Points worth knowing:
+
+* transformers has no FP8/MXFP4 block-scale loader for this naming (it expects
+  ``scale_inv``); loading with transformers needs a dequantised checkpoint.
+* ``mtp.0.hc_head_scale`` is [1] like the global ``hc_head_scale`` (official
+  ``inference/model.py``); some ports use [3].
+* transformers reads ``compress_ratios`` / ``num_hash_layers`` / ``qk_rope_head_dim`` /
+  ``rope_scaling`` as legacy keys and folds them into ``layer_types`` / ``mlp_layer_types`` /
+  ``partial_rotary_factor`` / ``rope_parameters``; the extra MTP entry of
+  ``compress_ratios`` is dropped by its ``[:num_hidden_layers]`` slice.
+* ``expert_dtype`` is written both top-level and inside ``quantization_config``
+  (transformers folds the top-level one in; newer official configs carry it there).
+* No shape differences from DOMAIN.md were found: the compressor projects to
+  ``2*head_dim`` (overlapping windows) at ratio 4 and ``head_dim`` at ratio 128, the indexer
+  compressor to ``2*index_head_dim``; norms are ``head_dim`` / ``index_head_dim``.
+
+This module is deliberately independent of the converter and of ``nvfp4_megamoe.kernels``:
+it carries its own small E2M1 / E4M3 / E8M0 encoders.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+__all__ = [
+    "PRESETS",
+    "PRO_OVERRIDES",
+    "VARIANTS",
+    "synthetic_config",
+    "write_synthetic",
+    "compress_pattern",
+]
+
+VARIANTS: tuple[str, ...] = ("flash", "pro", "base", "modelopt")
+
+# Official V4-Flash config.json (the keys the release ships); presets override dims.
+_OFFICIAL_CONFIG: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "compress_ratios": None,  # derived from num_hidden_layers + variant unless overridden
+    "compress_rope_theta": 160000,
+    "dtype": "bfloat16",
+    "expert_dtype": "fp4",
+    "hc_eps": 1e-06,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "head_dim": 512,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 512,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 1048576,
+    "model_type": "deepseek_v4",
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 6,
+    "num_hash_layers": 3,
+    "num_hidden_layers": 43,
+    "num_key_value_heads": 1,
+    "num_nextn_predict_layers": 1,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+        "expert_dtype": "fp4",
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 16,
+        "original_max_position_embeddings": 65536,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "sliding_window": 128,
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": False,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 129280,
+}
+
+#: Preset name -> config.json overrides.  Add a preset by adding a dict here (and,
+#: optionally, a ``PRO_OVERRIDES`` entry).  Constraints checked by ``synthetic_config``:
+#: hidden_size and moe_intermediate_size multiples of 32 (MXFP4/NVFP4 K), heads divisible
+#: by o_groups, qk_rope_head_dim even and <= head_dim, top-k <= experts, hash layers < layers.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Seconds on CPU: convert + a 200-token forward.  5 layers: SWA, SWA, CSA, HCA, CSA (+MTP SWA);
+    # window 32 so 150-250 tokens engage the sliding window, CSA top-k and one HCA entry.
+    "tiny": {
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "num_hidden_layers": 5,
+        "num_hash_layers": 1,
+        "num_attention_heads": 4,
+        "head_dim": 128,
+        "qk_rope_head_dim": 32,
+        "q_lora_rank": 128,
+        "o_groups": 2,
+        "o_lora_rank": 64,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "index_n_heads": 8,
+        "index_head_dim": 64,
+        "index_topk": 8,
+        "sliding_window": 32,
+    },
+    # Somewhat larger; q_lora_rank 192, o_lora 96 and I=96 give row counts that are not
+    # multiples of 128 (partial FP8 blocks, padded swizzle rows).
+    "small": {
+        "vocab_size": 1024,
+        "hidden_size": 512,
+        "num_hidden_layers": 6,
+        "num_hash_layers": 2,
+        "num_attention_heads": 8,
+        "head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 192,
+        "o_groups": 2,
+        "o_lora_rank": 96,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 96,
+        "index_n_heads": 8,
+        "index_head_dim": 64,
+        "index_topk": 16,
+        "sliding_window": 64,
+    },
+}
+
+#: Extra overrides for ``variant="pro"`` per preset (V4-Pro vs Flash: ~1.5x experts and
+#: I, twice the o_groups, routed_scaling_factor 2.5, larger index_topk).
+PRO_OVERRIDES: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "n_routed_experts": 12,
+        "moe_intermediate_size": 192,
+        "o_groups": 4,
+        "routed_scaling_factor": 2.5,
+        "index_topk": 16,
+    },
+    "small": {
+        "n_routed_experts": 24,
+        "moe_intermediate_size": 160,
+        "o_groups": 4,
+        "routed_scaling_factor": 2.5,
+        "index_topk": 32,
+    },
+}
+
+_DEFAULT_PRO = {"routed_scaling_factor": 2.5}
+
+_MODELOPT_IGNORE = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]
+
+_SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"]
+
+
+# --------------------------------------------------------------------------- config
+
+
+def compress_pattern(num_layers: int, style: str = "flash") -> list[int]:
+    """``compress_ratios`` for ``num_layers`` main layers plus one MTP entry (0).
+
+    flash: ``[0, 0, 4, 128, 4, 128, ..., 0]``; pro: ``[128, 128, 4, 128, 4, ..., 0]``.
+    """
+    head = [0, 0] if style != "pro" else [128, 128]
+    head = head[:num_layers]
+    rest = [4 if i % 2 == 0 else 128 for i in range(max(num_layers - 2, 0))]
+    return head + rest + [0]
+
+
+def synthetic_config(preset: str, variant: str = "flash", **overrides: Any) -> dict[str, Any]:
+    """The config.json dict for ``preset`` / ``variant`` with ``overrides`` applied last.
+
+    Keys are the official config.json keys (``compress_ratios``, ``num_hash_layers``,
+    ``qk_rope_head_dim``, ``rope_scaling``, ...), which transformers' ``DeepseekV4Config``
+    accepts.  ``compress_ratios`` is derived from ``num_hidden_layers`` and the variant
+    unless given.  Raises ``ValueError`` on unknown preset/variant or inconsistent dims.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
+    cfg = copy.deepcopy(_OFFICIAL_CONFIG)
+    cfg.update(copy.deepcopy(PRESETS[preset]))
+    if variant == "pro":
+        cfg.update(copy.deepcopy(PRO_OVERRIDES.get(preset, _DEFAULT_PRO)))
+    qc = cfg["quantization_config"]
+    if variant == "base":
+        cfg["expert_dtype"] = "fp8"
+        qc["expert_dtype"] = "fp8"
+    cfg.update(copy.deepcopy(overrides))
+    qc = cfg["quantization_config"]
+    if cfg.get("compress_ratios") is None:
+        cfg["compress_ratios"] = compress_pattern(
+            cfg["num_hidden_layers"], "pro" if variant == "pro" else "flash"
+        )
+    if variant == "modelopt":
+        n = cfg["num_hidden_layers"]
+        qc.update(
+            {
+                "quant_algo": "MIXED_PRECISION",
+                "moe_quant_algo": "NVFP4",
+                "group_size": 16,
+                "kv_cache_quant_algo": None,
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False},
+                        "input_activations": {
+                            "num_bits": 4,
+                            "type": "float",
+                            "group_size": 16,
+                            "dynamic": False,
+                        },
+                    }
+                },
+                "ignore": list(_MODELOPT_IGNORE),
+                "quantized_layers": {
+                    f"layers.{i}.ffn.experts": {"quant_algo": "NVFP4", "group_size": 16} for i in range(n)
+                },
+                "producer": {"name": "modelopt", "version": "synthetic"},
+            }
+        )
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: dict[str, Any]) -> None:
+    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    L = cfg["num_hidden_layers"]
+    problems = []
+    if H % 32 or I % 32:
+        problems.append(f"hidden_size ({H}) and moe_intermediate_size ({I}) must be multiples of 32")
+    if cfg["num_attention_heads"] % cfg["o_groups"]:
+        problems.append("num_attention_heads must be divisible by o_groups")
+    rd = cfg["qk_rope_head_dim"]
+    if rd % 2 or rd > cfg["head_dim"]:
+        problems.append("qk_rope_head_dim must be even and <= head_dim")
+    if cfg["index_head_dim"] % 2 or cfg["index_head_dim"] < rd:
+        problems.append("index_head_dim must be even and >= qk_rope_head_dim")
+    if cfg["num_experts_per_tok"] > cfg["n_routed_experts"]:
+        problems.append("num_experts_per_tok > n_routed_experts")
+    if not 0 <= cfg["num_hash_layers"] < L:
+        problems.append("num_hash_layers must be in [0, num_hidden_layers)")
+    if cfg["num_nextn_predict_layers"] != 1:
+        problems.append("only num_nextn_predict_layers == 1 is generated")
+    cr = cfg["compress_ratios"]
+    if len(cr) != L + cfg["num_nextn_predict_layers"] or any(r not in (0, 4, 128) for r in cr):
+        problems.append(f"compress_ratios needs {L}+1 entries from {{0, 4, 128}}, got {cr}")
+    if cfg["n_shared_experts"] != 1:
+        problems.append("only n_shared_experts == 1 is generated")
+    if problems:
+        raise ValueError("inconsistent synthetic config: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------- encoders
+
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even E2M1 codes (uint8, 0..15); saturates at 6; keeps the sign of
+    values that round to zero (-0 -> 0x8)."""
+    a = x.abs().float()
+    code = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75).to(torch.uint8)
+        + (a > 1.25).to(torch.uint8)
+        + (a >= 1.75).to(torch.uint8)
+        + (a > 2.5).to(torch.uint8)
+        + (a >= 3.5).to(torch.uint8)
+        + (a > 5.0).to(torch.uint8)
+    )
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    grid = torch.tensor(_E2M1_GRID, dtype=torch.float32)
+    mag = grid[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes -> [..., K/2] uint8, low nibble = even element."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+
+
+def _e8m0(exponents: torch.Tensor) -> torch.Tensor:
+    """Integer exponents k -> float8_e8m0fnu holding 2^k."""
+    b = exponents.to(torch.int32) + 127
+    if int(b.min()) < 0 or int(b.max()) > 254:
+        raise ValueError("E8M0 exponent out of range")
+    return b.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+# --------------------------------------------------------------------------- generators
+
+
+class _Rng:
+    """One generator per tensor name, derived from the checkpoint seed."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def __call__(self, name: str) -> torch.Generator:
+        g = torch.Generator()
+        g.manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+        return g
+
+
+def _randn(g: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=g, dtype=torch.float32)
+
+
+def _spread(g: torch.Generator, out: int, inp: int, br: int, bc: int) -> torch.Tensor:
+    """Per-(br x bc)-block magnitude factor 2^U(-1,1), normalised to unit mean square."""
+    nr, nc = -(-out // br), -(-inp // bc)
+    f = torch.exp2(torch.rand(nr, nc, generator=g) * 2.0 - 1.0)
+    f = f / f.pow(2).mean().sqrt()
+    return f.repeat_interleave(br, 0)[:out].repeat_interleave(bc, 1)[:, :inp]
+
+
+def _dense(g: torch.Generator, out: int, inp: int) -> torch.Tensor:
+    """Effective weight ~ N(0, 1/inp) with 128-block magnitude spread."""
+    return _randn(g, out, inp) * _spread(g, out, inp, 128, 128) / math.sqrt(inp)
+
+
+def _fp8_linear(g: torch.Generator, out: int, inp: int, f32_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F8_E4M3 [out, in], scale [ceil(out/128), ceil(in/128)]) as DeepSeek quantises."""
+    w = _dense(g, out, inp)
+    nr, nc = -(-out // 128), -(-inp // 128)
+    pad = torch.zeros(nr * 128, nc * 128)
+    pad[:out, :inp] = w
+    amax = pad.view(nr, 128, nc, 128).abs().amax(dim=(1, 3)).clamp_min(1e-12)
+    if f32_scale:
+        scale = (amax / 448.0).float()
+        scale_t = scale
+    else:
+        k = torch.ceil(torch.log2(amax / 448.0))
+        scale = torch.exp2(k)
+        scale_t = _e8m0(k)
+    full = scale.repeat_interleave(128, 0)[:out].repeat_interleave(128, 1)[:, :inp]
+    return _to_e4m3(w / full), scale_t
+
+
+def _mxfp4(g: torch.Generator, out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(I8 [out, in/2] packed E2M1, F8_E8M0 [out, in/32]); effective ~N(0, 1/in)."""
+    w = _randn(g, out, inp) * _spread(g, out, inp, 1, 32) / math.sqrt(inp)
+    blocks = w.view(out, inp // 32, 32)
+    amax = blocks.abs().amax(-1).clamp_min(1e-30)
+    k = torch.ceil(torch.log2(amax / 6.0))
+    codes = _e2m1_encode(blocks / torch.exp2(k)[..., None]).view(out, inp)
+    return _pack_nibbles(codes).view(torch.int8), _e8m0(k)
+
+
+def _nvfp4(g: torch.Generator, out: int, inp: int, gain: float) -> dict[str, torch.Tensor]:
+    """ModelOpt NVFP4: weight U8 [out, in/2], weight_scale E4M3 [out, in/16],
+    weight_scale_2 F32 [], input_scale F32 []."""
+    w = _randn(g, out, inp) * _spread(g, out, inp, 1, 16) * (gain / math.sqrt(inp))
+    s2 = (w.abs().amax() / (6.0 * 448.0)).float()
+    blocks = w.view(out, inp // 16, 16)
+    bamax = blocks.abs().amax(-1)
+    sb = (bamax / (6.0 * s2)).clamp(2.0**-9, 448.0).to(torch.float8_e4m3fn)
+    codes = _e2m1_encode(blocks / (sb.float() * s2)[..., None]).view(out, inp)
+    input_scale = (3.0 + 5.0 * torch.rand((), generator=g)) / (6.0 * 448.0)
+    return {
+        "weight": _pack_nibbles(codes),
+        "weight_scale": sb,
+        "weight_scale_2": s2.reshape(()).clone(),
+        "input_scale": input_scale.float().reshape(()),
+    }
+
+
+def _norm(g: torch.Generator, n: int) -> torch.Tensor:
+    return (1.0 + 0.1 * _randn(g, n)).to(torch.bfloat16)
+
+
+def _bf16(g: torch.Generator, out: int, inp: int) -> torch.Tensor:
+    return _dense(g, out, inp).to(torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+class _Builder:
+    def __init__(self, cfg: dict[str, Any], variant: str, seed: int) -> None:
+        self.cfg = cfg
+        self.variant = variant
+        self.rng = _Rng(seed)
+        self.base = variant == "base"
+
+    def fp8(self, t: dict[str, torch.Tensor], name: str, out: int, inp: int) -> None:
+        w, s = _fp8_linear(self.rng(name), out, inp, self.base)
+        t[f"{name}.weight"] = w
+        t[f"{name}.scale"] = s
+
+    def hc(self, t: dict[str, torch.Tensor], prefix: str, kind: str) -> None:
+        c = self.cfg
+        hc, H = c["hc_mult"], c["hidden_size"]
+        g = self.rng(f"{prefix}hc_{kind}")
+        if kind == "head":
+            mix = hc
+            n_scale = 1
+        else:
+            mix = (2 + hc) * hc
+            n_scale = 3
+        t[f"{prefix}hc_{kind}_fn"] = (_randn(g, mix, hc * H) * (0.5 / math.sqrt(hc * H))).contiguous()
+        t[f"{prefix}hc_{kind}_base"] = 0.1 * _randn(g, mix)
+        t[f"{prefix}hc_{kind}_scale"] = 0.5 + 0.5 * torch.rand(n_scale, generator=g)
+
+    def compressor(self, t: dict[str, torch.Tensor], prefix: str, ratio: int, dim: int) -> None:
+        H = self.cfg["hidden_size"]
+        width = 2 * dim if ratio == 4 else dim  # ratio 4 = overlapping windows (Ca | Cb)
+        g = self.rng(prefix + "ape")
+        t[prefix + "ape"] = 0.1 * _randn(g, ratio, width)
+        t[prefix + "wkv.weight"] = _bf16(self.rng(prefix + "wkv"), width, H)
+        t[prefix + "wgate.weight"] = _bf16(self.rng(prefix + "wgate"), width, H)
+        t[prefix + "norm.weight"] = _norm(self.rng(prefix + "norm"), dim)
+
+    def block(self, prefix: str, ratio: int, is_hash: bool, expert_format: str) -> dict[str, torch.Tensor]:
+        c = self.cfg
+        H, hd, nh = c["hidden_size"], c["head_dim"], c["num_attention_heads"]
+        ql, og, ol = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
+        E, I, K = c["n_routed_experts"], c["moe_intermediate_size"], c["num_experts_per_tok"]
+        t: dict[str, torch.Tensor] = {}
+        self.hc(t, prefix, "attn")
+        self.hc(t, prefix, "ffn")
+        t[prefix + "attn_norm.weight"] = _norm(self.rng(prefix + "attn_norm"), H)
+        t[prefix + "ffn_norm.weight"] = _norm(self.rng(prefix + "ffn_norm"), H)
+        a = prefix + "attn."
+        t[a + "attn_sink"] = 0.1 * _randn(self.rng(a + "attn_sink"), nh)
+        t[a + "q_norm.weight"] = _norm(self.rng(a + "q_norm"), ql)
+        t[a + "kv_norm.weight"] = _norm(self.rng(a + "kv_norm"), hd)
+        self.fp8(t, a + "wq_a", ql, H)
+        self.fp8(t, a + "wq_b", nh * hd, ql)
+        self.fp8(t, a + "wkv", hd, H)
+        self.fp8(t, a + "wo_a", og * ol, nh * hd // og)
+        self.fp8(t, a + "wo_b", H, og * ol)
+        if ratio:
+            self.compressor(t, a + "compressor.", ratio, hd)
+        if ratio == 4:
+            ih, ihd = c["index_n_heads"], c["index_head_dim"]
+            self.fp8(t, a + "indexer.wq_b", ih * ihd, ql)
+            t[a + "indexer.weights_proj.weight"] = _bf16(self.rng(a + "indexer.weights_proj"), ih, H)
+            self.compressor(t, a + "indexer.compressor.", ratio, ihd)
+        f = prefix + "ffn."
+        t[f + "gate.weight"] = _bf16(self.rng(f + "gate"), E, H)
+        if is_hash:
+            g = self.rng(f + "gate.tid2eid")
+            perm = torch.rand(c["vocab_size"], E, generator=g).argsort(dim=1)
+            t[f + "gate.tid2eid"] = perm[:, :K].to(torch.int64).contiguous()
+        else:
+            t[f + "gate.bias"] = 0.1 * _randn(self.rng(f + "gate.bias"), E)
+        for w, (o, i) in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
+            self.fp8(t, f"{f}shared_experts.{w}", o, i)
+        for e in range(E):
+            for w, (o, i) in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
+                name = f"{f}experts.{e}.{w}"
+                g = self.rng(name)
+                if expert_format == "mxfp4":
+                    t[name + ".weight"], t[name + ".scale"] = _mxfp4(g, o, i)
+                elif expert_format == "fp8":
+                    self.fp8(t, name, o, i)
+                elif expert_format == "nvfp4":
+                    # w1 and w3 on deliberately different magnitudes -> different weight_scale_2
+                    gain = {"w1": 0.85, "w3": 1.2, "w2": 1.0}[w]
+                    for k, v in _nvfp4(g, o, i, gain).items():
+                        t[f"{name}.{k}"] = v
+                else:  # pragma: no cover
+                    raise AssertionError(expert_format)
+        return t
+
+    def out_of_range(self, t: dict[str, torch.Tensor], prefix: str, n: int) -> None:
+        """Lower n non-zero 32-blocks of expert 0's w3 to >= 20 exponents below k_max."""
+        w1s = t[prefix + "ffn.experts.0.w1.scale"]
+        w3s = t[prefix + "ffn.experts.0.w3.scale"]
+        k3 = w3s.view(torch.uint8).to(torch.int32) - 127
+        k1 = w1s.view(torch.uint8).to(torch.int32) - 127
+        codes = t[prefix + "ffn.experts.0.w3.weight"].view(torch.uint8)
+        rows, nb = k3.shape
+        nonzero = (((codes & 0x77) != 0).view(rows, nb, 16)).any(-1)
+        cand = nonzero.flatten().nonzero().flatten()
+        if n > cand.numel() - 1:
+            raise ValueError(f"out_of_range_blocks={n} exceeds the {cand.numel() - 1} blocks available")
+        g = self.rng(prefix + "out_of_range")
+        chosen = cand[torch.randperm(cand.numel(), generator=g)[:n]]
+        flat = k3.flatten().clone()
+        keep = torch.ones_like(flat, dtype=torch.bool)
+        keep[chosen] = False
+        k_max = max(int(k1.max()), int(flat[keep].max()))
+        drop = 20 + torch.randint(0, 4, (n,), generator=g)
+        flat[chosen] = k_max - drop.to(torch.int32)
+        t[prefix + "ffn.experts.0.w3.scale"] = _e8m0(flat.view(rows, nb))
+
+    def globals_first(self) -> dict[str, torch.Tensor]:
+        c = self.cfg
+        return {"embed.weight": _randn(self.rng("embed"), c["vocab_size"], c["hidden_size"]).to(torch.bfloat16)}
+
+    def globals_last(self) -> dict[str, torch.Tensor]:
+        c = self.cfg
+        t = {
+            "head.weight": _bf16(self.rng("head"), c["vocab_size"], c["hidden_size"]),
+            "norm.weight": _norm(self.rng("norm"), c["hidden_size"]),
+        }
+        self.hc(t, "", "head")
+        return t
+
+    def mtp(self) -> dict[str, torch.Tensor]:
+        c = self.cfg
+        H = c["hidden_size"]
+        p = "mtp.0."
+        t = self.block(p, c["compress_ratios"][c["num_hidden_layers"]], False, "mxfp4" if not self.base else "fp8")
+        self.fp8(t, p + "e_proj", H, H)
+        self.fp8(t, p + "h_proj", H, H)
+        for n in ("enorm", "hnorm", "norm"):
+            t[f"{p}{n}.weight"] = _norm(self.rng(p + n), H)
+        self.hc(t, p, "head")
+        return t
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _tokenizer_files(cfg: dict[str, Any]) -> dict[str, Any]:
+    V = cfg["vocab_size"]
+    vocab = {tok: i for i, tok in enumerate(_SPECIAL_TOKENS)}
+    for i in range(len(vocab), V):
+        vocab[f"t{i}"] = i
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": tok,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for i, tok in enumerate(_SPECIAL_TOKENS)
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": None,
+        "decoder": None,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": _SPECIAL_TOKENS[2]},
+    }
+    tokenizer_config = {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": _SPECIAL_TOKENS[0],
+        "eos_token": _SPECIAL_TOKENS[1],
+        "pad_token": _SPECIAL_TOKENS[2],
+        "unk_token": _SPECIAL_TOKENS[2],
+        "clean_up_tokenization_spaces": False,
+        "legacy": True,
+        "model_max_length": cfg["max_position_embeddings"],
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    }
+    generation_config = {
+        "_from_model_config": True,
+        "bos_token_id": cfg["bos_token_id"],
+        "eos_token_id": cfg["eos_token_id"],
+        "do_sample": True,
+        "temperature": 1.0,
+        "top_p": 1.0,
+    }
+    return {
+        "tokenizer.json": tokenizer,
+        "tokenizer_config.json": tokenizer_config,
+        "generation_config.json": generation_config,
+    }
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_synthetic(
+    out: str | Path,
+    preset: str = "tiny",
+    variant: str = "flash",
+    seed: int = 0,
+    *,
+    out_of_range_blocks: int = 0,
+    **overrides: Any,
+) -> Path:
+    """Write a synthetic DeepSeek-V4 checkpoint into ``out`` and return its path.
+
+    ``out`` is created; an existing non-empty directory is refused (``FileExistsError``).
+    Files: ``config.json``, ``generation_config.json``, ``tokenizer.json``,
+    ``tokenizer_config.json``, (modelopt) ``hf_quant_config.json``,
+    ``model-0000i-of-0000N.safetensors`` (shard 1: ``embed.weight``; shards 2..L+1:
+    ``layers.{0..L-1}``; shard L+2: ``head``/``norm``/``hc_head_*``; shard L+3: ``mtp.0``)
+    and ``model.safetensors.index.json``.  ``overrides`` are config.json overrides.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
+    if out_of_range_blocks < 0:
+        raise ValueError("out_of_range_blocks must be >= 0")
+    if out_of_range_blocks and variant == "base":
+        raise ValueError("the base variant has no MXFP4 experts; out_of_range_blocks needs flash/pro/modelopt")
+    cfg = synthetic_config(preset, variant, **overrides)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+
+    b = _Builder(cfg, variant, seed)
+    L = cfg["num_hidden_layers"]
+    n_shards = L + 3
+    expert_format = {"flash": "mxfp4", "pro": "mxfp4", "base": "fp8", "modelopt": "nvfp4"}[variant]
+
+    def shard_name(i: int) -> str:
+        width = max(5, len(str(n_shards)))
+        return f"model-{i:0{width}d}-of-{n_shards:0{width}d}.safetensors"
+
+    def producers():
+        yield b.globals_first
+        for i in range(L):
+            def layer(i: int = i) -> dict[str, torch.Tensor]:
+                t = b.block(f"layers.{i}.", cfg["compress_ratios"][i], i < cfg["num_hash_layers"], expert_format)
+                if i == 0 and out_of_range_blocks and variant != "modelopt":
+                    b.out_of_range(t, "layers.0.", out_of_range_blocks)
+                return t
+            yield layer
+        yield b.globals_last
+
+        def mtp() -> dict[str, torch.Tensor]:
+            t = b.mtp()
+            if out_of_range_blocks and variant == "modelopt":
+                b.out_of_range(t, "mtp.0.", out_of_range_blocks)
+            return t
+        yield mtp
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for idx, make in enumerate(producers(), start=1):
+        tensors = {k: v.contiguous() for k, v in make().items()}
+        fname = shard_name(idx)
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        for k, v in tensors.items():
+            weight_map[k] = fname
+            total += v.numel() * v.element_size()
+        del tensors
+
+    _write_json(out / "config.json", cfg)
+    for name, obj in _tokenizer_files(cfg).items():
+        _write_json(out / name, obj)
+    if variant == "modelopt":
+        qc = cfg["quantization_config"]
+        _write_json(
+            out / "hf_quant_config.json",
+            {
+                "producer": qc["producer"],
+                "quantization": {
+                    "quant_algo": "MIXED_PRECISION",
+                    "kv_cache_quant_algo": None,
+                    "group_size": 16,
+                    "exclude_modules": list(_MODELOPT_IGNORE),
+                    "quantized_layers": qc["quantized_layers"],
+                },
+            },
+        )
+    _write_json(
+        out / "model.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+    )
+    return out

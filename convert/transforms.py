@@ -1,0 +1,90 @@
+"""Per-matrix transforms of the converter, each beside its inverse (verify runs the inverses).
+
+Composed from the primitives in ``nvfp4_megamoe.kernels``:
+
+* ``to_kernel_layout`` / ``from_kernel_layout``: gate/up interleave by 8 (for fused w1+w3)
+  then the 128x4 scale swizzle, and back. Exact both ways.
+* ``mxfp4_forward`` / ``mxfp4_inverse``: official MXFP4 -> NVFP4 closed-form cast (codes kept,
+  scales moved onto one power-of-two alpha) and back to (codes, per-16 effective scales).
+* ``nvfp4_forward`` / ``nvfp4_inverse``: ModelOpt NVFP4 with separate w1/w3 global scales put on
+  one alpha, and back to (codes, effective scales).
+* ``fp8_forward`` / ``dequantize_fused``: FP8 (128x128 block scales) requantised to NVFP4 on one
+  shared alpha (lossy), and the dequantisation that verify compares with the FP8 source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize
+from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up, interleave_gate_up
+from nvfp4_megamoe.kernels.mxfp4 import mxfp4_to_nvfp4
+from nvfp4_megamoe.kernels.nvfp4 import BLOCK, block_scales_for, dequantize_nvfp4, encode_nvfp4, global_scale_for, \
+    reconcile_global_scales
+from nvfp4_megamoe.kernels.scales import decode_e4m3
+from nvfp4_megamoe.kernels.swizzle import swizzle_block_scales, unswizzle_block_scales
+
+
+@dataclass(frozen=True)
+class KernelMatrix:
+    """One output matrix in format 1: packed codes [R, K/2], swizzled scale bytes, alpha, and notes."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    alpha: float
+    inexact_blocks: int = 0
+
+
+def to_kernel_layout(packed: list[torch.Tensor], scales: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major parts (1, or 2 = gate, up) -> (fused packed [R, K/2], swizzled scale bytes)."""
+    if len(packed) == 2:
+        p, s = interleave_gate_up(*packed), interleave_gate_up(*scales)
+    else:
+        (p,), (s,) = packed, scales
+    return p.view(torch.uint8), swizzle_block_scales(s)
+
+
+def from_kernel_layout(packed: torch.Tensor, swizzled: torch.Tensor, parts: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Inverse of :func:`to_kernel_layout`: -> ([packed per part], [scale bytes [r, K/16] per part])."""
+    rows, half_k = packed.shape
+    scales = unswizzle_block_scales(swizzled, rows, 2 * half_k // BLOCK)
+    if parts == 2:
+        return list(deinterleave_gate_up(packed)), list(deinterleave_gate_up(scales))
+    return [packed], [scales]
+
+
+def effective_scales(scales: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per-16 effective scale values e4m3 x alpha, float64 (exact for powers of two)."""
+    return decode_e4m3(scales).double() * alpha
+
+
+def mxfp4_forward(weights: list[torch.Tensor], scales: list[torch.Tensor]) -> KernelMatrix:
+    """MXFP4 parts (int8 [r, K/2], E8M0 [r, K/32]) -> one fused NVFP4 matrix, codes unchanged."""
+    cast = mxfp4_to_nvfp4(weights, scales)
+    packed, swz = to_kernel_layout(cast.packed, cast.scales)
+    return KernelMatrix(packed, swz, cast.alpha, cast.fallback_blocks)
+
+
+def nvfp4_forward(weights: list[torch.Tensor], scales: list[torch.Tensor], alphas: list[float]) -> KernelMatrix:
+    """ModelOpt NVFP4 parts (U8 [r, K/2], E4M3 [r, K/16], own alpha) -> one fused matrix on max(alpha)."""
+    rec = reconcile_global_scales([s.view(torch.uint8) for s in scales], alphas)
+    packed, swz = to_kernel_layout([w.view(torch.uint8) for w in weights], rec.scales)
+    return KernelMatrix(packed, swz, rec.alpha, rec.changed_blocks)
+
+
+def fp8_forward(weights: list[torch.Tensor], scales: list[torch.Tensor]) -> tuple[KernelMatrix, list[torch.Tensor]]:
+    """FP8 parts (block-scaled) -> one fused NVFP4 matrix on a shared alpha, plus the float32 sources."""
+    values = [fp8_block_dequantize(w, s) for w, s in zip(weights, scales)]
+    alpha = global_scale_for(max(float(v.abs().max()) for v in values))
+    blocks = [block_scales_for(v, alpha) for v in values]
+    packed = [encode_nvfp4(v, b, alpha) for v, b in zip(values, blocks)]
+    p, swz = to_kernel_layout(packed, blocks)
+    return KernelMatrix(p, swz, alpha), values
+
+
+def dequantize_fused(m: KernelMatrix, parts: int) -> list[torch.Tensor]:
+    """A fused format-1 matrix -> float32 values per part (gate, up) or the single part."""
+    packed, scales = from_kernel_layout(m.packed, m.scales, parts)
+    return [dequantize_nvfp4(p, s, m.alpha) for p, s in zip(packed, scales)]

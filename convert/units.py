@@ -1,0 +1,188 @@
+"""Units of conversion: groups of source tensors converted together into format-1 outputs.
+
+A unit knows, from source headers alone, every output tensor's name, dtype, shape and sources
+(so the writer can lay out shard headers before converting), and how to produce the bytes
+piece by piece (expert by expert for stacked tensors), which bounds memory by one expert.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from nvfp4_megamoe.kernels.mxfp4 import dequantize_mxfp4
+from nvfp4_megamoe.kernels.nvfp4 import BLOCK, dequantize_nvfp4
+from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
+from nvfp4_megamoe.runtime.format import fused_expert_names
+
+from .safetensors_header import DTYPES
+from .stats import ErrorStats
+from .transforms import KernelMatrix, dequantize_fused, fp8_forward, mxfp4_forward, nvfp4_forward
+
+# Transform chains as recorded in the manifest, per source format.
+CHAINS = {
+    "mxfp4": ["mxfp4_to_nvfp4(shared alpha, codes kept)"],
+    "nvfp4": ["reconcile_global_scales(max alpha)"],
+    "fp8": ["fp8_block_dequantize", "quantize_nvfp4(shared alpha)"],
+}
+LAYOUT = ["swizzle_128x4"]
+INTERLEAVE = ["interleave_gate_up(8, gate first)"]
+STACK = ["stack_experts"]
+# Roles each source format needs per matrix.
+ROLES = {"mxfp4": ("weight", "scale"), "fp8": ("weight", "scale"),
+         "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+
+
+@dataclass
+class OutputSpec:
+    """One output tensor: everything the writer and the manifest need before conversion runs."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    sources: list[str]
+    transform: list[str]
+    lossless: bool = True
+    error: dict | None = None
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][1]
+
+
+class Reader(Protocol):
+    def read(self, name: str) -> torch.Tensor: ...
+    def fd_and_range(self, name: str) -> tuple[int, int, int]: ...
+
+
+class Sink(Protocol):
+    def write(self, name: str, offset: int, data: torch.Tensor) -> None: ...
+    def copy(self, name: str, fd: int, start: int, count: int) -> None: ...
+
+
+class Unit(Protocol):
+    key: str
+    sources: list[str]
+    outputs: list[OutputSpec]
+
+    def items(self) -> int: ...
+    def run(self, src: Reader, sink: Sink, tick: Callable[[int], None]) -> None: ...
+
+
+def _scalar(t: torch.Tensor) -> float:
+    return float(t.float().reshape(-1)[0])
+
+
+@dataclass
+class Passthrough:
+    """A tensor copied byte for byte."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        self.key = self.name
+        self.sources = [self.name]
+        self.outputs = [OutputSpec(self.name, self.dtype, self.shape, [self.name], ["copy"])]
+
+    def items(self) -> int:
+        return 1
+
+    def run(self, src: Reader, sink: Sink, tick: Callable[[int], None]) -> None:
+        fd, start, count = src.fd_and_range(self.name)
+        sink.copy(self.name, fd, start, count)
+        tick(count)
+
+
+@dataclass
+class FusedMatrices:
+    """NVFP4 output of one or more same-shape source matrices per item (expert), gate/up fused.
+
+    ``members[item][part][role]`` names the source tensors; ``rows``/``cols`` are one part's
+    logical [out, in]. With ``stacked`` the outputs get a leading expert dimension.
+    """
+
+    prefix: str
+    fmt: str
+    members: list[list[dict[str, str]]]
+    rows: int
+    cols: int
+    stacked: bool
+
+    def __post_init__(self) -> None:
+        self.key = self.prefix
+        parts = len(self.members[0])
+        names = fused_expert_names(*self.prefix.rsplit(".", 1))
+        chain = CHAINS[self.fmt] + (INTERLEAVE if parts == 2 else []) + LAYOUT + (STACK if self.stacked else [])
+        lead = (len(self.members),) if self.stacked else ()
+        fused_rows = parts * self.rows
+        self.sources = [n for item in self.members for part in item for n in part.values()]
+        weights = [p[r] for item in self.members for p in item for r in ("weight",)]
+        scales = [n for item in self.members for p in item for r, n in p.items() if r not in ("weight", "input_scale")]
+        lossy = self.fmt == "fp8"
+        self.weight = OutputSpec(names["weight"], "U8", lead + (fused_rows, self.cols // 2), weights, chain, not lossy)
+        self.scale = OutputSpec(names["weight_scale"], "U8", lead + (swizzled_nbytes(fused_rows, self.cols // BLOCK),),
+                                scales, chain, not lossy)
+        self.alpha = OutputSpec(names["alpha"], "F32", lead, scales, chain, not lossy)
+        self.outputs = [self.weight, self.scale, self.alpha]
+        self.input_scale = None
+        if self.fmt == "nvfp4":
+            inputs = [p["input_scale"] for item in self.members for p in item]
+            self.input_scale = OutputSpec(f"{self.prefix}.input_scale", "F32", lead + ((parts,) if parts > 1 else ()),
+                                          inputs, ["stack_input_scales"])
+            self.outputs.append(self.input_scale)
+        self.stats = ErrorStats()
+        self.inexact = 0
+
+    def items(self) -> int:
+        return len(self.members)
+
+    def convert_item(self, src: Reader, item: list[dict[str, str]]) -> tuple[KernelMatrix, list[torch.Tensor] | None]:
+        """Forward transform of one item; also returns float sources when the result may be inexact."""
+        if self.fmt == "mxfp4":
+            w = [src.read(p["weight"]) for p in item]
+            s = [src.read(p["scale"]) for p in item]
+            m = mxfp4_forward(w, s)
+            return m, ([dequantize_mxfp4(a, b) for a, b in zip(w, s)] if m.inexact_blocks else None)
+        if self.fmt == "nvfp4":
+            w = [src.read(p["weight"]) for p in item]
+            s = [src.read(p["weight_scale"]) for p in item]
+            a = [_scalar(src.read(p["weight_scale_2"])) for p in item]
+            m = nvfp4_forward(w, s, a)
+            ref = [dequantize_nvfp4(x.view(torch.uint8), y.view(torch.uint8), z) for x, y, z in zip(w, s, a)]
+            return m, (ref if m.inexact_blocks else None)
+        return fp8_forward([src.read(p["weight"]) for p in item], [src.read(p["scale"]) for p in item])
+
+    def run(self, src: Reader, sink: Sink, tick: Callable[[int], None]) -> None:
+        parts = len(self.members[0])
+        n = len(self.members)
+        w_bytes = self.weight.nbytes // n if self.stacked else 0
+        s_bytes = self.scale.nbytes // n if self.stacked else 0
+        for e, item in enumerate(self.members):
+            m, ref = self.convert_item(src, item)
+            self.inexact += m.inexact_blocks
+            if ref is not None:
+                for r, x in zip(ref, dequantize_fused(m, parts)):
+                    self.stats.update(r, x)
+            sink.write(self.weight.name, e * w_bytes, m.packed)
+            sink.write(self.scale.name, e * s_bytes, m.scales)
+            sink.write(self.alpha.name, e * 4, torch.tensor([m.alpha], dtype=torch.float32))
+            if self.input_scale is not None:
+                scales = torch.tensor([_scalar(src.read(p["input_scale"])) for p in item], dtype=torch.float32)
+                sink.write(self.input_scale.name, e * 4 * parts, scales)
+            tick(m.packed.numel() + m.scales.numel())
+        self._record()
+
+    def _record(self) -> None:
+        lossless = self.fmt != "fp8" and self.inexact == 0
+        for spec in (self.weight, self.scale, self.alpha):
+            spec.lossless = lossless
+            if not lossless:
+                spec.error = self.stats.result()
+            if self.fmt != "fp8":
+                spec.notes["inexact_blocks"] = self.inexact

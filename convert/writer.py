@@ -1,0 +1,159 @@
+"""The streaming shard writer: headers laid out from the plan, tensors filled in place.
+
+Each shard is written under a temporary name (``.NAME.partial``) with its full size allocated up
+front (so a full disk fails early, not at the last byte), filled piece by piece at known offsets,
+fsynced and only then renamed to its final name. A folder with partial files and no index never
+looks like a finished conversion.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from nvfp4_megamoe.runtime.format import SHARD_METADATA, shard_name
+
+from .errors import OutputError
+from .safetensors_header import encode_header
+from .units import OutputSpec
+
+COPY_CHUNK = 64 * 1024 * 1024
+
+
+def sha256_file(path: str | Path, chunk: int = 16 * 1024 * 1024) -> str:
+    """Hex sha256 of a file, read in chunks (hashlib releases the GIL, so this runs beside conversion)."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _disk_error(exc: OSError, path: Path) -> OutputError:
+    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return OutputError(f"{path}: cannot write: {exc.strerror}. Free space (or raise the file-size limit) for the "
+                           "output and run again with --resume; the source is untouched.")
+    return OutputError(f"{path}: cannot write: {exc}")
+
+
+def _pwrite_all(fd: int, data: memoryview, pos: int, path: Path) -> None:
+    try:
+        while data:
+            n = os.pwrite(fd, data, pos)
+            data, pos = data[n:], pos + n
+    except OSError as exc:
+        raise _disk_error(exc, path) from None
+
+
+class ShardWriter:
+    """Writes the plan's shards into ``out``; call :meth:`written` as outputs complete."""
+
+    def __init__(self, out: Path, shards: list[list[OutputSpec]], hash_pool: ThreadPoolExecutor):
+        self.out = out
+        self.names = [shard_name(i + 1, len(shards)) for i in range(len(shards))]
+        self.layout: list[tuple[bytes, int]] = []
+        self.where: dict[str, tuple[int, int, int]] = {}
+        self.pending: list[set[str]] = []
+        for i, shard in enumerate(shards):
+            head, offsets = encode_header([(o.name, o.dtype, o.shape, o.nbytes) for o in shard], dict(SHARD_METADATA))
+            size = (offsets[-1] + shard[-1].nbytes) if shard else len(head)
+            self.layout.append((head, size))
+            for o, off in zip(shard, offsets):
+                self.where[o.name] = (i, off, o.nbytes)
+            self.pending.append({o.name for o in shard})
+        self.fds: dict[int, int] = {}
+        self.hashes: dict[str, Future] = {}
+        self.sizes: dict[str, int] = {}
+        self.pool = hash_pool
+
+    def tmp_path(self, i: int) -> Path:
+        return self.out / f".{self.names[i]}.partial"
+
+    def _fd(self, i: int) -> int:
+        fd = self.fds.get(i)
+        if fd is None:
+            head, size = self.layout[i]
+            path = self.tmp_path(i)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+                    os.ftruncate(fd, size)
+                _pwrite_all(fd, memoryview(head), 0, path)
+            except OSError as exc:
+                os.close(fd)
+                raise _disk_error(exc, path) from None
+            except OutputError:
+                os.close(fd)
+                raise
+            self.fds[i] = fd
+        return fd
+
+    def _target(self, name: str, offset: int, count: int) -> tuple[int, int]:
+        i, base, nbytes = self.where[name]
+        if offset < 0 or offset + count > nbytes:
+            raise AssertionError(f"write of {count} bytes at {offset} overruns {name} ({nbytes} bytes)")
+        return self._fd(i), base + offset
+
+    def write(self, name: str, offset: int, data: torch.Tensor) -> None:
+        """Write a tensor's bytes at ``offset`` bytes into output tensor ``name``."""
+        raw = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        fd, pos = self._target(name, offset, raw.nbytes)
+        _pwrite_all(fd, memoryview(raw), pos, self.tmp_path(self.where[name][0]))
+
+    def copy(self, name: str, src_fd: int, start: int, count: int) -> None:
+        """Copy ``count`` bytes of a source file into output tensor ``name`` (in-kernel where possible)."""
+        fd, pos = self._target(name, 0, count)
+        path = self.tmp_path(self.where[name][0])
+        done = 0
+        try:
+            while done < count:
+                n = os.copy_file_range(src_fd, fd, min(COPY_CHUNK, count - done), start + done, pos + done)
+                if n == 0:
+                    raise OSError(errno.EIO, "source ended early")
+                done += n
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise _disk_error(exc, path) from None
+            while done < count:
+                chunk = os.pread(src_fd, min(COPY_CHUNK, count - done), start + done)
+                _pwrite_all(fd, memoryview(chunk), pos + done, path)
+                done += len(chunk)
+
+    def written(self, names: list[str]) -> None:
+        """Mark outputs complete; a shard whose outputs are all complete is fsynced and renamed."""
+        for name in names:
+            i = self.where[name][0]
+            self.pending[i].discard(name)
+            if not self.pending[i]:
+                self._finish(i)
+
+    def _finish(self, i: int) -> None:
+        fd = self._fd(i)
+        path = self.tmp_path(i)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise _disk_error(exc, path) from None
+        finally:
+            os.close(fd)
+            del self.fds[i]
+        final = self.out / self.names[i]
+        os.rename(path, final)
+        self.sizes[self.names[i]] = self.layout[i][1]
+        self.hashes[self.names[i]] = self.pool.submit(sha256_file, final)
+
+    def abort(self) -> None:
+        """Close and remove unfinished temporary shards (finished ones stay for --resume)."""
+        for i, fd in list(self.fds.items()):
+            os.close(fd)
+            self.tmp_path(i).unlink(missing_ok=True)
+        self.fds.clear()
