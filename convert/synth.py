@@ -405,14 +405,16 @@ def _spread(g: torch.Generator, out: int, inp: int, br: int, bc: int) -> torch.T
     return f.repeat_interleave(br, 0)[:out].repeat_interleave(bc, 1)[:, :inp]
 
 
-def _dense(g: torch.Generator, out: int, inp: int) -> torch.Tensor:
-    """Effective weight ~ N(0, 1/inp) with 128-block magnitude spread."""
-    return _randn(g, out, inp) * _spread(g, out, inp, 128, 128) / math.sqrt(inp)
+def _dense(g: torch.Generator, out: int, inp: int, gain: float = 1.0) -> torch.Tensor:
+    """Effective weight ~ N(0, gain^2/inp) with 128-block magnitude spread."""
+    return _randn(g, out, inp) * _spread(g, out, inp, 128, 128) * (gain / math.sqrt(inp))
 
 
-def _fp8_linear(g: torch.Generator, out: int, inp: int, f32_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_linear(
+    g: torch.Generator, out: int, inp: int, f32_scale: bool, gain: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(F8_E4M3 [out, in], scale [ceil(out/128), ceil(in/128)]) as DeepSeek quantises."""
-    w = _dense(g, out, inp)
+    w = _dense(g, out, inp, gain)
     nr, nc = -(-out // 128), -(-inp // 128)
     pad = torch.zeros(nr * 128, nc * 128)
     pad[:out, :inp] = w
@@ -474,8 +476,8 @@ class _Builder:
         self.rng = _Rng(seed)
         self.base = variant == "base"
 
-    def fp8(self, t: dict[str, torch.Tensor], name: str, out: int, inp: int) -> None:
-        w, s = _fp8_linear(self.rng(name), out, inp, self.base)
+    def fp8(self, t: dict[str, torch.Tensor], name: str, out: int, inp: int, gain: float = 1.0) -> None:
+        w, s = _fp8_linear(self.rng(name), out, inp, self.base, gain)
         t[f"{name}.weight"] = w
         t[f"{name}.scale"] = s
 
@@ -536,8 +538,10 @@ class _Builder:
             t[f + "gate.tid2eid"] = perm[:, :K].to(torch.int64).contiguous()
         else:
             t[f + "gate.bias"] = 0.1 * _randn(self.rng(f + "gate.bias"), E)
-        for w, (o, i) in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
-            self.fp8(t, f"{f}shared_experts.{w}", o, i)
+        # Shared expert: half gain on w1/w3 keeps its pre-activations (|x| ~< 3 for RMS-normed
+        # inputs) far below swiglu_limit -- the official code clamps routed experts only.
+        for w, (o, i), gain in (("w1", (I, H), 0.5), ("w2", (H, I), 1.0), ("w3", (I, H), 0.5)):
+            self.fp8(t, f"{f}shared_experts.{w}", o, i, gain)
         for e in range(E):
             for w, (o, i) in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
                 name = f"{f}experts.{e}.{w}"
