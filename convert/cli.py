@@ -1,0 +1,156 @@
+"""``nvfp4-convert``: the command line. Thin: parse options, call the Python API, print results."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import click
+
+from nvfp4_megamoe import __version__
+
+from .errors import ConvertError
+from .plan import DEFAULT_SHARD_SIZE, Plan
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MiB', '1e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise click.BadParameter(f"{text!r} is not a size (examples: 5GB, 500MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def format_plan(plan: Plan) -> str:
+    """The dry-run report: tensors per rule, outputs per kind, shards and their sizes."""
+    lines = ["source tensors per rule:"]
+    lines += [f"  {rule:32s} {n:7d}" for rule, n in sorted(plan.rule_counts.items())]
+    kinds = Counter("copy" if o.transform == ["copy"] else ("lossless" if o.lossless else "requantized")
+                    for o in plan.outputs)
+    lines.append(f"output tensors: {len(plan.outputs)} ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}), "
+                 f"{_human(plan.total_bytes)} in {len(plan.shards)} shards "
+                 f"(dense: {plan.options.dense}, shard size {_human(plan.options.shard_size)})")
+    for i, shard in enumerate(plan.shards):
+        lines.append(f"  shard {i + 1:5d}: {len(shard):6d} tensors {_human(sum(o.nbytes for o in shard)):>12s}"
+                     f"  {shard[0].name} .. {shard[-1].name}")
+    return "\n".join(lines)
+
+
+def _fail(exc: Exception) -> None:
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(1)
+
+
+@click.group()
+@click.version_option(__version__, prog_name="nvfp4-convert")
+def main() -> None:
+    """Convert DeepSeek-V4 checkpoints to kernel-ready NVFP4 (format 1), and check the result."""
+
+
+@main.command()
+@click.argument("source")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--dense", type=click.Choice(["nvfp4", "keep"]), default="nvfp4", show_default=True,
+              help="Dense FP8 linears: requantize to NVFP4, or keep them as they are.")
+@click.option("--shard-size", default=str(DEFAULT_SHARD_SIZE), show_default=True, callback=lambda c, p, v: parse_size(v),
+              help="Largest output shard (a single larger tensor gets its own shard).")
+@click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+def convert(source: str, out: Path, dense: str, shard_size: int, dry_run: bool, progress: bool) -> None:
+    """Convert the checkpoint in SOURCE (a folder) into OUT."""
+    from .api import convert_checkpoint
+
+    try:
+        result = convert_checkpoint(source, out, dense=dense, shard_size=shard_size, dry_run=dry_run,
+                                    progress=progress, on_plan=lambda p: click.echo(format_plan(p)))
+    except ConvertError as exc:
+        _fail(exc)
+    if dry_run:
+        click.echo("dry run: nothing written")
+        return
+    tensors = result.manifest["tensors"]
+    lossy = [(n, e["error"]["rel_fro"]) for n, e in tensors.items() if "error" in e and n.endswith(".weight")]
+    click.echo(f"wrote {len(result.plan.shards)} shards, {len(tensors)} tensors, "
+               f"{_human(result.plan.total_bytes)} to {out}")
+    if lossy:
+        worst = max(lossy, key=lambda x: x[1])
+        click.echo(f"requantized (lossy) matrices: {len(lossy)}, worst relative error {worst[1]:.3e} ({worst[0]})")
+    inexact = sum(e.get("inexact_blocks", 0) for n, e in tensors.items() if n.endswith(".weight"))
+    click.echo(f"inexact blocks on lossless paths: {inexact}")
+
+
+@main.command()
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--preset", default="tiny", show_default=True, help="Model size preset (tiny, small, ...).")
+@click.option("--variant", type=click.Choice(["flash", "pro", "base", "modelopt"]), default="flash", show_default=True)
+@click.option("--seed", default=0, show_default=True)
+def synth(out: Path, preset: str, variant: str, seed: int) -> None:
+    """Write a synthetic DeepSeek-V4 checkpoint in the official on-disk format (no network)."""
+    from .synth import write_synthetic
+
+    try:
+        path = write_synthetic(out, preset=preset, variant=variant, seed=seed)
+    except (ValueError, FileExistsError) as exc:
+        _fail(exc)
+    click.echo(f"wrote synthetic {variant} checkpoint ({preset}) to {path}")
+
+
+@main.command()
+@click.option("--workdir", type=click.Path(path_type=Path), default=None,
+              help="Where to put the source and output (default: a new temporary folder).")
+@click.option("--variant", type=click.Choice(["flash", "pro", "base", "modelopt"]), default="flash", show_default=True)
+def demo(workdir: Path | None, variant: str) -> None:
+    """Make a tiny synthetic checkpoint, convert it, and show what happened."""
+    from .api import convert_checkpoint
+    from .inspect import format_summary, inspect_checkpoint
+    from .synth import write_synthetic
+
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="nvfp4-demo-"))
+    src, out = workdir / "source", workdir / "converted"
+    write_synthetic(src, preset="tiny", variant=variant)
+    click.echo(format_summary(inspect_checkpoint(src)))
+    click.echo("")
+    try:
+        result = convert_checkpoint(src, out, on_plan=lambda p: click.echo(format_plan(p)), progress=False)
+    except ConvertError as exc:
+        _fail(exc)
+    click.echo("")
+    click.echo(format_summary(inspect_checkpoint(out)))
+    weights = {n: e for n, e in result.manifest["tensors"].items() if n.endswith(".weight") and e["transform"] != ["copy"]}
+    exact = sum(e["lossless"] for e in weights.values())
+    click.echo(f"\nNVFP4 matrices: {len(weights)} ({exact} bit-exact, {len(weights) - exact} with measured error: "
+               "FP8 requantized or w1/w3 scales reconciled)")
+    click.echo(f"demo files are in {workdir}")
+
+
+@main.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def inspect_cmd(path: Path, as_json: bool) -> None:
+    """Summarise a source or converted checkpoint."""
+    from .inspect import format_summary, inspect_checkpoint
+
+    try:
+        s = inspect_checkpoint(path)
+    except ConvertError as exc:
+        _fail(exc)
+    click.echo(json.dumps(s, indent=1) if as_json else format_summary(s))
+
+
+if __name__ == "__main__":
+    main()

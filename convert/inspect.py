@@ -1,0 +1,89 @@
+"""``inspect``: summarise a source or converted checkpoint (variant, tensor families, dtypes, bytes)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from nvfp4_megamoe.runtime.format import INDEX_FILE, MANIFEST_FILE
+
+from .errors import PlanError
+from .plan import classify
+from .source import LocalSource
+
+# Source variant, detected from the formats the routed-expert rules found (never from config alone).
+VARIANTS = {
+    frozenset({"mxfp4"}): "official DeepSeek-V4 (MXFP4 experts, FP8 linears)",
+    frozenset({"fp8"}): "DeepSeek-V4 -Base (FP8 experts, F32 scales)",
+    frozenset({"nvfp4", "mxfp4"}): "ModelOpt NVFP4 export (NVFP4 experts, MXFP4 MTP experts)",
+    frozenset({"nvfp4"}): "ModelOpt NVFP4 export (NVFP4 experts)",
+}
+
+
+def _dtype_table(src: LocalSource) -> dict[str, dict[str, int]]:
+    counts: Counter = Counter()
+    nbytes: Counter = Counter()
+    for t in src.tensors.values():
+        counts[t.info.dtype] += 1
+        nbytes[t.info.dtype] += t.info.nbytes
+    return {d: {"tensors": counts[d], "bytes": nbytes[d]} for d in sorted(counts)}
+
+
+def _converted_family(name: str, manifest: dict) -> str:
+    entry = manifest["tensors"].get(name, {})
+    if ".experts." in name:
+        return "routed experts (NVFP4, stacked)"
+    if entry.get("transform") == ["copy"]:
+        return "passthrough"
+    return "dense NVFP4 linears"
+
+
+def inspect_checkpoint(path: str | Path) -> dict:
+    """A JSON-able summary of the checkpoint at ``path``."""
+    src = LocalSource(path)
+    try:
+        summary: dict = {"path": str(path), "files": len(src.files), "tensors": len(src.tensors),
+                         "bytes": sum(t.info.nbytes for t in src.tensors.values()), "dtypes": _dtype_table(src)}
+        manifest_file = Path(path) / MANIFEST_FILE
+        if manifest_file.is_file():
+            manifest = json.loads(manifest_file.read_text())
+            families = Counter(_converted_family(n, manifest) for n in src.tensors)
+            lossy = [n for n, e in manifest["tensors"].items() if not e.get("lossless", True)]
+            summary.update(kind=f"converted (format {manifest.get('format')} v{manifest.get('format_version')})",
+                           source=manifest.get("source", {}).get("path") or manifest.get("source", {}).get("repo_id"),
+                           options=manifest.get("options"), families=dict(families), lossy_tensors=len(lossy))
+            return summary
+        try:
+            groups, counts = classify(src)
+        except PlanError as exc:
+            summary.update(kind="source (not fully mappable)", unmapped=[o[0] for o in exc.offenders])
+            return summary
+        fmts = frozenset(next(iter(g["fmt"])) for k, g in groups.items() if k[0] == "routed")
+        summary.update(kind="source", variant=VARIANTS.get(fmts, f"unknown mix {sorted(fmts)}"),
+                       families=dict(sorted(counts.items())),
+                       layers=int(src.config.get("num_hidden_layers", 0)),
+                       experts=int(src.config.get("n_routed_experts", 0)))
+        return summary
+    finally:
+        src.close()
+
+
+def format_summary(s: dict) -> str:
+    """Human-readable rendering of :func:`inspect_checkpoint`."""
+    lines = [f"{s['path']}: {s['kind']}"]
+    if "variant" in s:
+        lines.append(f"  variant: {s['variant']}  ({s['layers']} layers, {s['experts']} routed experts)")
+    if s.get("source"):
+        lines.append(f"  converted from: {s['source']}  options: {s.get('options')}")
+    lines.append(f"  {s['tensors']} tensors in {s['files']} files, {s['bytes']:,} bytes")
+    lines.append("  dtypes:")
+    lines += [f"    {d:8s} {v['tensors']:6d} tensors {v['bytes']:>16,} bytes" for d, v in s["dtypes"].items()]
+    if "families" in s:
+        lines.append("  tensor families:")
+        lines += [f"    {k:40s} {v:6d}" for k, v in s["families"].items()]
+    if "lossy_tensors" in s:
+        lines.append(f"  lossy (measured-error) tensors: {s['lossy_tensors']}")
+    if "unmapped" in s:
+        lines.append(f"  tensors no rule maps ({len(s['unmapped'])}): " + ", ".join(s["unmapped"][:20]))
+    return "\n".join(lines)
