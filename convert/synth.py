@@ -633,7 +633,21 @@ def _tokenizer_files(cfg: dict[str, Any]) -> dict[str, Any]:
         ],
         "normalizer": None,
         "pre_tokenizer": {"type": "Whitespace"},
-        "post_processor": None,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [
+                {"SpecialToken": {"id": _SPECIAL_TOKENS[0], "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+            ],
+            "pair": [
+                {"SpecialToken": {"id": _SPECIAL_TOKENS[0], "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {
+                _SPECIAL_TOKENS[0]: {"id": _SPECIAL_TOKENS[0], "ids": [0], "tokens": [_SPECIAL_TOKENS[0]]}
+            },
+        },
         "decoder": None,
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": _SPECIAL_TOKENS[2]},
     }
@@ -669,36 +683,8 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_synthetic(
-    out: str | Path,
-    preset: str = "tiny",
-    variant: str = "flash",
-    seed: int = 0,
-    *,
-    out_of_range_blocks: int = 0,
-    **overrides: Any,
-) -> Path:
-    """Write a synthetic DeepSeek-V4 checkpoint into ``out`` and return its path.
-
-    ``out`` is created; an existing non-empty directory is refused (``FileExistsError``).
-    Files: ``config.json``, ``generation_config.json``, ``tokenizer.json``,
-    ``tokenizer_config.json``, (modelopt) ``hf_quant_config.json``,
-    ``model-0000i-of-0000N.safetensors`` (shard 1: ``embed.weight``; shards 2..L+1:
-    ``layers.{0..L-1}``; shard L+2: ``head``/``norm``/``hc_head_*``; shard L+3: ``mtp.0``)
-    and ``model.safetensors.index.json``.  ``overrides`` are config.json overrides.
-    """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
-    if out_of_range_blocks < 0:
-        raise ValueError("out_of_range_blocks must be >= 0")
-    if out_of_range_blocks and variant == "base":
-        raise ValueError("the base variant has no MXFP4 experts; out_of_range_blocks needs flash/pro/modelopt")
-    cfg = synthetic_config(preset, variant, **overrides)
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty directory")
-    out.mkdir(parents=True, exist_ok=True)
-
+def _write_tensors(out: Path, cfg: dict[str, Any], variant: str, seed: int, out_of_range_blocks: int) -> None:
+    """The shards (one layer each) and ``model.safetensors.index.json``."""
     b = _Builder(cfg, variant, seed)
     L = cfg["num_hidden_layers"]
     n_shards = L + 3
@@ -736,7 +722,50 @@ def write_synthetic(
             weight_map[k] = fname
             total += v.numel() * v.element_size()
         del tensors
+    _write_json(
+        out / "model.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+    )
 
+
+def write_synthetic(
+    out: str | Path,
+    preset: str = "tiny",
+    variant: str = "flash",
+    seed: int = 0,
+    *,
+    out_of_range_blocks: int = 0,
+    **overrides: Any,
+) -> Path:
+    """Write a synthetic DeepSeek-V4 checkpoint into ``out`` and return its path.
+
+    ``out`` is created; an existing non-empty directory is refused (``FileExistsError``).
+    Files: ``config.json``, ``generation_config.json``, ``tokenizer.json``,
+    ``tokenizer_config.json``, (modelopt) ``hf_quant_config.json``,
+    ``model-0000i-of-0000N.safetensors`` (shard 1: ``embed.weight``; shards 2..L+1:
+    ``layers.{0..L-1}``; shard L+2: ``head``/``norm``/``hc_head_*``; shard L+3: ``mtp.0``)
+    and ``model.safetensors.index.json``.  ``overrides`` are config.json overrides.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
+    if out_of_range_blocks < 0:
+        raise ValueError("out_of_range_blocks must be >= 0")
+    if out_of_range_blocks and variant == "base":
+        raise ValueError("the base variant has no MXFP4 experts; out_of_range_blocks needs flash/pro/modelopt")
+    cfg = synthetic_config(preset, variant, **overrides)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+
+    # Tiny tensors: intra-op threading only adds contention (10x slower on a loaded box).
+    prev_threads = torch.get_num_threads()
+    if cfg["hidden_size"] <= 1024:
+        torch.set_num_threads(1)
+    try:
+        _write_tensors(out, cfg, variant, seed, out_of_range_blocks)
+    finally:
+        torch.set_num_threads(prev_threads)
     _write_json(out / "config.json", cfg)
     for name, obj in _tokenizer_files(cfg).items():
         _write_json(out / name, obj)
@@ -755,8 +784,4 @@ def write_synthetic(
                 },
             },
         )
-    _write_json(
-        out / "model.safetensors.index.json",
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-    )
     return out

@@ -47,6 +47,15 @@ def _e8m0_exp(s: torch.Tensor) -> torch.Tensor:
     return s.view(torch.uint8).to(torch.int32) - 127
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster and immune to a loaded box."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("synth")
@@ -83,6 +92,17 @@ def test_files_and_index(ckpts, variant):
     assert index["metadata"]["total_size"] == total
     with safe_open(str(path / shards[0]), "pt") as f:
         assert list(f.keys()) == ["embed.weight"]
+
+
+def test_tokenizer_loads(ckpts):
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(ckpts["flash"])
+    cfg = json.loads((ckpts["flash"] / "config.json").read_text())
+    assert len(tok) == cfg["vocab_size"]
+    assert tok("t5 t7").input_ids == [0, 5, 7]
+    assert GenerationConfig.from_pretrained(ckpts["flash"]).eos_token_id == 1
 
 
 def test_refuses_nonempty(tmp_path):
