@@ -1,0 +1,42 @@
+"""PyTorch reference for DeepSeek-V4 attention pieces: interleaved RoPE and sink attention.
+
+RoPE is interleaved (GPT-J): channel pairs ``(2i, 2i+1)`` of the *last* ``rd`` channels rotate by
+``pos * inv_freq[i]``; the leading channels are untouched. ``inverse=True`` rotates by the negative
+angle (used on the attention output, since K = V carries the key's rotation).
+
+Sink attention is MQA with one shared K = V vector per position: ``q`` [B, T, H, D] against
+``kv`` [B, S, D], logits scaled by ``scale``, plus an additive ``bias`` [B, T, S] (0 or -inf) that
+encodes which keys each query sees (window, causality, indexer selection). A per-head sink logit
+joins the softmax denominator only; all in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] (int) -> (cos, sin) [..., rd/2] in float32."""
+    angles = positions.float().unsqueeze(-1) * inv_freq.float().to(positions.device)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last ``2*cos.shape[-1]`` channels of ``x`` [..., D] pairwise; ``cos``/``sin`` broadcast over x[..., 0]."""
+    rd = 2 * cos.shape[-1]
+    x = x.float()
+    pairs = x[..., -rd:].unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    s = -sin if inverse else sin
+    rotated = torch.stack((a * cos - b * s, a * s + b * cos), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rd], rotated), dim=-1)
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """q [B, T, H, D], kv [B, S, D], bias [B, T, S], sink [H] -> out [B, T, H, D] (float32)."""
+    logits = torch.einsum("bthd,bsd->bths", q.float(), kv.float()) * scale + bias.float().unsqueeze(2)
+    sinks = sink.float().view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
+    full = torch.cat((logits, sinks), dim=-1)
+    probs = torch.softmax(full - full.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.einsum("bths,bsd->bthd", probs, kv.float())

@@ -1,0 +1,109 @@
+"""The per-op backend seam: every compute op of the forward goes through one :class:`Backend`.
+
+:class:`ReferenceBackend` runs the PyTorch references in ``kernels/`` on whatever device the
+weights live on (CPU, or CUDA tensors when no kernel is plugged in). A GPU backend subclasses it
+and overrides only the ops it has kernels for, e.g.::
+
+    class HopperBackend(ReferenceBackend):
+        def moe(self, x, ids, weights, experts, swiglu_limit): return my_grouped_w4a16(...)
+
+and is passed to :func:`nvfp4_megamoe.runtime.load_model` as ``backend=HopperBackend()``.
+Op contracts (shapes, float32 results) are those of the reference functions named below.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nvfp4_megamoe.kernels import attention_reference, compressor_reference, indexer_reference
+from nvfp4_megamoe.kernels import mhc_reference, router_reference
+from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize
+from nvfp4_megamoe.kernels.fp8_reference import fp8_linear
+from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up
+from nvfp4_megamoe.kernels.moe_reference import moe_reference
+from nvfp4_megamoe.kernels.nvfp4_reference import decode_weight, nvfp4_linear
+
+from .weights import DenseLinear, Fp8Linear, Linear, MoEWeights, Nvfp4Linear
+
+
+
+def decode_linear(w: Linear) -> torch.Tensor:
+    """Whole float32 weight [out, in] of one linear (used for grouped projections)."""
+    if isinstance(w, Nvfp4Linear):
+        return decode_weight(w.weight, w.weight_scale, w.alpha)
+    if isinstance(w, Fp8Linear):
+        return fp8_block_dequantize(w.weight, w.scale)
+    return w.weight.float()
+
+
+class ReferenceBackend:
+    """PyTorch references from ``kernels/`` for every op (the default backend)."""
+
+    name = "reference"
+
+    # -- linears --------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
+        """x [..., in] -> float32 [..., out]."""
+        if isinstance(w, Nvfp4Linear):
+            return nvfp4_linear(x, w.weight, w.weight_scale, w.alpha)
+        if isinstance(w, Fp8Linear):
+            return fp8_linear(x, w.weight, w.scale)
+        if isinstance(w, DenseLinear):
+            return x.float() @ w.weight.float().T
+        raise TypeError(f"unknown linear weight {type(w).__name__}")
+
+    def grouped_linear(self, x: torch.Tensor, w: Linear, groups: int) -> torch.Tensor:
+        """x [..., G, in_g], weight [G*out_g, in_g] -> [..., G, out_g] (group g uses rows g*out_g...)."""
+        weight = decode_linear(w)
+        return torch.einsum("...gi,goi->...go", x.float(), weight.view(groups, -1, weight.shape[-1]))
+
+    # -- MoE ------------------------------------------------------------------------------------
+    def moe(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: MoEWeights,
+            swiglu_limit: float) -> torch.Tensor:
+        """Routed experts held by this rank. ``ids`` are global; those outside the held range are skipped."""
+        start, stop = experts.expert_range
+        args = (experts.w13, experts.w13_scale, experts.w13_alpha, experts.w2, experts.w2_scale,
+                experts.w2_alpha, swiglu_limit)
+        if (start, stop) == (0, experts.n_experts):
+            return moe_reference(x, ids, weights, *args)
+        # Expert parallel: keep the (token, slot) pairs routed here, one pair per row.
+        held = ((ids >= start) & (ids < stop)).reshape(-1)
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[1])[held]
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        if token.numel():
+            part = moe_reference(x[token], (ids.reshape(-1)[held] - start)[:, None],
+                                 weights.reshape(-1)[held][:, None], *args)
+            out.index_add_(0, token, part)
+        return out
+
+    def shared_expert(self, x: torch.Tensor, w) -> torch.Tensor:
+        """The shared expert, SwiGLU with **no** clamp (official semantics)."""
+        if w.w13 is not None:
+            gate, up = deinterleave_gate_up(self.linear(x, w.w13).movedim(-1, 0))
+            gate, up = gate.movedim(0, -1), up.movedim(0, -1)
+        else:
+            gate, up = self.linear(x, w.w1), self.linear(x, w.w3)
+        return self.linear(F.silu(gate) * up, w.w2)
+
+    route_scores = staticmethod(router_reference.router_scores)
+    route_topk = staticmethod(router_reference.route_topk)
+    route_hash = staticmethod(router_reference.route_hash)
+
+    # -- attention ------------------------------------------------------------------------------
+    rope_tables = staticmethod(attention_reference.rope_tables)
+    apply_rope = staticmethod(attention_reference.apply_rope)
+    sink_attention = staticmethod(attention_reference.sink_attention)
+    compress_windows = staticmethod(compressor_reference.compress_windows)
+    indexer_scores = staticmethod(indexer_reference.indexer_scores)
+    select_topk = staticmethod(indexer_reference.select_topk)
+
+    # -- mHC --------------------------------------------------------------------------------------
+    hc_pre = staticmethod(mhc_reference.hc_pre)
+    hc_post = staticmethod(mhc_reference.hc_post)
+    hc_head = staticmethod(mhc_reference.hc_head)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        x = x.float()
+        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+        return y if weight is None else y * weight.float()

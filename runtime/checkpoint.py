@@ -1,0 +1,113 @@
+"""Reading a format-1 checkpoint: manifest, index, shard headers and partial tensor reads.
+
+:class:`Checkpoint` trusts the converter's layout (no conversion happens at load) but checks what
+it relies on: the manifest's format and version, that every shard the index names exists and
+carries the format-1 header metadata, and (optionally) the shards' sha256 against the manifest.
+Tensors are read with ``safe_open(...).get_slice`` so that a caller asking for a range of
+experts gets only those rows' bytes; :attr:`Checkpoint.bytes_read` counts what was materialised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, FormatError, read_manifest
+
+
+class Checkpoint:
+    """A converted checkpoint folder opened for reading (shards opened lazily, once)."""
+
+    def __init__(self, path: str | Path, *, verify_hashes: bool = False):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FormatError(f"{self.path}: not a directory")
+        self.manifest = read_manifest(self.path)
+        index_file = self.path / INDEX_FILE
+        if not index_file.is_file():
+            raise FormatError(f"{index_file}: missing; the checkpoint is incomplete (re-run the conversion)")
+        self.weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        for shard in sorted(set(self.weight_map.values())):
+            if not (self.path / shard).is_file():
+                raise FormatError(f"{self.path / shard}: shard named by {INDEX_FILE} is missing")
+        if verify_hashes:
+            self.verify_hashes()
+        self._handles: dict[str, object] = {}
+        self.bytes_read = 0
+
+    # -- shard access -------------------------------------------------------------------------
+    def _open(self, shard: str):
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = safe_open(str(self.path / shard), framework="pt")
+            meta = handle.metadata() or {}
+            if meta.get("nvfp4_format") != FORMAT_NAME or meta.get("nvfp4_format_version") != str(FORMAT_VERSION):
+                raise FormatError(f"{self.path / shard}: header metadata {meta} is not {FORMAT_NAME} "
+                                  f"version {FORMAT_VERSION}; re-convert or upgrade nvfp4-megamoe")
+            self._handles[shard] = handle
+        return handle
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def _shard_of(self, name: str) -> str:
+        try:
+            return self.weight_map[name]
+        except KeyError:
+            raise FormatError(f"{self.path}: tensor {name!r} is not in {INDEX_FILE}") from None
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._open(self._shard_of(name)).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        return self._open(self._shard_of(name)).get_slice(name).get_dtype()
+
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``name`` (or only rows ``[start, stop)`` of its first dimension), as stored."""
+        view = self._open(self._shard_of(name)).get_slice(name)
+        if rows is None:
+            tensor = view[:] if view.get_shape() else self._open(self._shard_of(name)).get_tensor(name)
+        else:
+            start, stop = rows
+            n = view.get_shape()[0]
+            if not (0 <= start <= stop <= n):
+                raise ValueError(f"{name}: rows [{start}, {stop}) outside its first dimension of {n}")
+            tensor = view[start:stop]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    # -- integrity ----------------------------------------------------------------------------
+    def verify_hashes(self) -> None:
+        """Check every shard's size and sha256 against the manifest; raise :class:`FormatError` on mismatch."""
+        shards = _manifest_shards(self.manifest)
+        if not shards:
+            raise FormatError(f"{self.path}: the manifest records no shard hashes to verify")
+        for shard, record in shards.items():
+            file = self.path / shard
+            if not file.is_file():
+                raise FormatError(f"{file}: shard recorded in the manifest is missing")
+            size = record.get("size")
+            if size is not None and file.stat().st_size != size:
+                raise FormatError(f"{file}: size {file.stat().st_size} != {size} recorded in the manifest")
+            digest = hashlib.sha256()
+            with open(file, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 24), b""):
+                    digest.update(block)
+            if digest.hexdigest() != record.get("sha256"):
+                raise FormatError(f"{file}: sha256 {digest.hexdigest()} does not match the manifest "
+                                  f"({record.get('sha256')}); the file is corrupt or was modified")
+
+
+def _manifest_shards(manifest: dict) -> dict[str, dict]:
+    """The manifest's per-shard records as ``{file name: {"sha256": ..., "size": ...}}``."""
+    shards = manifest.get("shards") or manifest.get("output_shards") or {}
+    if isinstance(shards, list):
+        shards = {s.get("name") or s.get("file"): s for s in shards}
+    return dict(shards)

@@ -1,0 +1,264 @@
+"""Typed weights of a DeepSeek-V4 model, built straight from a format-1 checkpoint.
+
+Nothing is converted at load: NVFP4 tensors stay packed (uint8 codes, swizzled E4M3 scale
+bytes, float32 alpha), FP8 linears stay FP8 with their block scales, BF16/F32 tensors stay as
+stored. Only the bytes a caller asks for are read: a subset of layers, and per layer a
+contiguous range of routed experts (expert parallelism). The router weights, bias and
+``tid2eid`` are always read whole, since routing needs every expert's score.
+
+Which kind a linear ``X`` is follows from the names present (docs/format.md):
+
+* ``X.weight`` U8 + ``X.weight_scale`` + ``X.alpha``  -> :class:`Nvfp4Linear`
+* ``X.weight`` F8_E4M3 + ``X.scale`` (E8M0 or F32)    -> :class:`Fp8Linear`
+* ``X.weight`` BF16/F32                               -> :class:`DenseLinear`
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nvfp4_megamoe.kernels.nvfp4 import BLOCK
+from .checkpoint import Checkpoint
+from .config import ModelConfig
+from .format import FormatError, fused_expert_names
+
+
+@dataclass
+class DenseLinear:
+    """A plain BF16/F32 weight [out, in] (compressor, indexer ``weights_proj``, router gate, head)."""
+
+    weight: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+
+@dataclass
+class Fp8Linear:
+    """FP8 E4M3 weight [out, in] with 128x128 block scales (E8M0 bytes or F32)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+
+@dataclass
+class Nvfp4Linear:
+    """NVFP4 weight in format 1: codes U8 [out, in/2], swizzled E4M3 scale bytes, alpha F32 []."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    alpha: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+
+Linear = DenseLinear | Fp8Linear | Nvfp4Linear
+
+
+@dataclass
+class CompressorWeights:
+    wkv: DenseLinear
+    wgate: DenseLinear
+    ape: torch.Tensor   # [ratio, C]
+    norm: torch.Tensor  # [d]
+
+
+@dataclass
+class IndexerWeights:
+    wq_b: Linear
+    weights_proj: DenseLinear
+    compressor: CompressorWeights
+
+
+@dataclass
+class AttentionWeights:
+    wq_a: Linear
+    q_norm: torch.Tensor
+    wq_b: Linear
+    wkv: Linear
+    kv_norm: torch.Tensor
+    wo_a: Linear          # grouped: [o_groups * o_lora_rank, heads * head_dim / o_groups]
+    wo_b: Linear
+    sink: torch.Tensor    # [heads]
+    compress_ratio: int
+    compressor: CompressorWeights | None = None
+    indexer: IndexerWeights | None = None
+
+
+@dataclass
+class SharedExpertWeights:
+    """The shared expert: either fused ``w13`` (NVFP4, gate/up interleaved by 8) or separate w1/w3."""
+
+    w2: Linear
+    w13: Nvfp4Linear | None = None
+    w1: Linear | None = None
+    w3: Linear | None = None
+
+
+@dataclass
+class MoEWeights:
+    """Routed experts ``[start, stop)`` of one layer, stacked and packed as the grouped kernel takes them.
+
+    ``w13`` U8 [n, 2I, H/2] (gate/up interleaved by 8), ``w13_scale`` U8 [n, swz(2I, H/16)],
+    ``w13_alpha`` F32 [n]; ``w2`` U8 [n, H, I/2], ``w2_scale``, ``w2_alpha`` likewise.
+    """
+
+    gate: DenseLinear                 # router [E, H], all experts
+    bias: torch.Tensor | None         # [E] selection bias (score-routed layers)
+    tid2eid: torch.Tensor | None      # [V, k] (hash layers)
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w13_alpha: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    w2_alpha: torch.Tensor
+    expert_range: tuple[int, int]
+    n_experts: int
+    shared: SharedExpertWeights
+
+    @property
+    def is_hash(self) -> bool:
+        return self.tid2eid is not None
+
+
+@dataclass
+class HcWeights:
+    fn: torch.Tensor
+    base: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass
+class LayerWeights:
+    index: int
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    hc_attn: HcWeights
+    hc_ffn: HcWeights
+    attn: AttentionWeights
+    moe: MoEWeights
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor   # [V, H] as stored (BF16)
+    head: DenseLinear
+    norm: torch.Tensor
+    hc_head: HcWeights
+    layers: dict[int, LayerWeights] = field(default_factory=dict)
+
+
+class WeightLoader:
+    """Builds the typed weights from a :class:`Checkpoint` onto ``device``."""
+
+    def __init__(self, ckpt: Checkpoint, config: ModelConfig, device: torch.device | str = "cpu"):
+        self.ckpt, self.config, self.device = ckpt, config, torch.device(device)
+
+    def tensor(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return self.ckpt.read(name, rows).to(self.device)
+
+    def linear(self, prefix: str) -> Linear:
+        ck = self.ckpt
+        if f"{prefix}.alpha" in ck and f"{prefix}.weight_scale" in ck:
+            lin = Nvfp4Linear(self.tensor(f"{prefix}.weight"), self.tensor(f"{prefix}.weight_scale"),
+                              self.tensor(f"{prefix}.alpha").float())
+            if lin.weight.dtype != torch.uint8:
+                raise FormatError(f"{prefix}.weight: NVFP4 codes must be U8, got {lin.weight.dtype}")
+            return lin
+        if f"{prefix}.scale" in ck:
+            return Fp8Linear(self.tensor(f"{prefix}.weight"), self.tensor(f"{prefix}.scale"))
+        weight = self.tensor(f"{prefix}.weight")
+        if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise FormatError(f"{prefix}.weight: {weight.dtype} with no scale tensor next to it; "
+                              f"expected .scale (FP8) or .weight_scale + .alpha (NVFP4)")
+        return DenseLinear(weight)
+
+    def hc(self, fn: str, base: str, scale: str) -> HcWeights:
+        return HcWeights(self.tensor(fn).float(), self.tensor(base).float(), self.tensor(scale).float())
+
+    def compressor(self, prefix: str) -> CompressorWeights:
+        return CompressorWeights(DenseLinear(self.tensor(f"{prefix}.wkv.weight")),
+                                 DenseLinear(self.tensor(f"{prefix}.wgate.weight")),
+                                 self.tensor(f"{prefix}.ape").float(), self.tensor(f"{prefix}.norm.weight"))
+
+    def attention(self, p: str, ratio: int) -> AttentionWeights:
+        attn = AttentionWeights(
+            wq_a=self.linear(f"{p}.wq_a"), q_norm=self.tensor(f"{p}.q_norm.weight"), wq_b=self.linear(f"{p}.wq_b"),
+            wkv=self.linear(f"{p}.wkv"), kv_norm=self.tensor(f"{p}.kv_norm.weight"),
+            wo_a=self.linear(f"{p}.wo_a"), wo_b=self.linear(f"{p}.wo_b"),
+            sink=self.tensor(f"{p}.attn_sink").float(), compress_ratio=ratio)
+        if ratio:
+            attn.compressor = self.compressor(f"{p}.compressor")
+        if ratio == 4:
+            attn.indexer = IndexerWeights(self.linear(f"{p}.indexer.wq_b"),
+                                          DenseLinear(self.tensor(f"{p}.indexer.weights_proj.weight")),
+                                          self.compressor(f"{p}.indexer.compressor"))
+        return attn
+
+    def moe(self, p: str, experts: tuple[int, int] | None) -> MoEWeights:
+        cfg, ck = self.config, self.ckpt
+        n = cfg.n_routed_experts
+        start, stop = experts if experts is not None else (0, n)
+        if not (0 <= start < stop <= n):
+            raise ValueError(f"experts=({start}, {stop}) is not a non-empty range inside [0, {n})")
+        rows = None if (start, stop) == (0, n) else (start, stop)
+        w13 = fused_expert_names(f"{p}.experts", "w13")
+        w2 = fused_expert_names(f"{p}.experts", "w2")
+        for name in (w13["weight"], w2["weight"]):
+            if name not in ck:
+                raise FormatError(f"{ck.path}: {name} is missing; routed experts must be stacked NVFP4 "
+                                  f"(format 1). Was this folder written by `nvfp4-convert convert`?")
+        if f"{p}.shared_experts.w13.weight" in ck:
+            shared = SharedExpertWeights(w2=self.linear(f"{p}.shared_experts.w2"),
+                                         w13=self.linear(f"{p}.shared_experts.w13"))
+        else:
+            shared = SharedExpertWeights(w2=self.linear(f"{p}.shared_experts.w2"),
+                                         w1=self.linear(f"{p}.shared_experts.w1"),
+                                         w3=self.linear(f"{p}.shared_experts.w3"))
+        weights = MoEWeights(
+            gate=DenseLinear(self.tensor(f"{p}.gate.weight")),
+            bias=self.tensor(f"{p}.gate.bias").float() if f"{p}.gate.bias" in ck else None,
+            tid2eid=self.tensor(f"{p}.gate.tid2eid") if f"{p}.gate.tid2eid" in ck else None,
+            w13=self.tensor(w13["weight"], rows), w13_scale=self.tensor(w13["weight_scale"], rows),
+            w13_alpha=self.tensor(w13["alpha"], rows).float(),
+            w2=self.tensor(w2["weight"], rows), w2_scale=self.tensor(w2["weight_scale"], rows),
+            w2_alpha=self.tensor(w2["alpha"], rows).float(),
+            expert_range=(start, stop), n_experts=n, shared=shared)
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        want13, want2 = (stop - start, 2 * i, h // 2), (stop - start, h, i // 2)
+        if tuple(weights.w13.shape) != want13 or tuple(weights.w2.shape) != want2:
+            raise FormatError(f"{p}.experts: w13 {tuple(weights.w13.shape)} / w2 {tuple(weights.w2.shape)} "
+                              f"do not match the config (expected {want13} / {want2})")
+        assert h % BLOCK == 0 and i % BLOCK == 0
+        return weights
+
+    def layer(self, i: int, experts: tuple[int, int] | None) -> LayerWeights:
+        p = f"layers.{i}"
+        return LayerWeights(
+            index=i, attn_norm=self.tensor(f"{p}.attn_norm.weight"), ffn_norm=self.tensor(f"{p}.ffn_norm.weight"),
+            hc_attn=self.hc(f"{p}.hc_attn_fn", f"{p}.hc_attn_base", f"{p}.hc_attn_scale"),
+            hc_ffn=self.hc(f"{p}.hc_ffn_fn", f"{p}.hc_ffn_base", f"{p}.hc_ffn_scale"),
+            attn=self.attention(f"{p}.attn", self.config.compress_ratios[i]),
+            moe=self.moe(f"{p}.ffn", experts))
+
+    def model(self, layers: list[int] | None, experts: tuple[int, int] | None) -> ModelWeights:
+        n = self.config.num_layers
+        chosen = list(range(n)) if layers is None else sorted(set(layers))
+        bad = [i for i in chosen if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"layers {bad} outside [0, {n})")
+        weights = ModelWeights(embed=self.tensor("embed.weight"), head=DenseLinear(self.tensor("head.weight")),
+                               norm=self.tensor("norm.weight"),
+                               hc_head=self.hc("hc_head_fn", "hc_head_base", "hc_head_scale"))
+        for i in chosen:
+            weights.layers[i] = self.layer(i, experts)
+        return weights
