@@ -1,0 +1,176 @@
+"""Host side of the SM90 NVFP4 MoE: routing glue + L1 (SwiGLU) + L2 (routed scatter-add), and a dense linear.
+
+Flow of one layer (all on the current CUDA stream, no host sync, no allocation per call: the
+workspaces are sized once for ``max_tokens``, so the call is CUDA-graph capturable):
+
+1. ``Sm90MoeRouting``: pairs (token, slot) sorted by expert -> ``token_of``, ``weight_of``, tiles;
+2. ``Sm90Nvfp4GroupedGemm(mode="swiglu")`` over ``w13``: ``h`` [pairs, I] BF16 in sorted order;
+3. ``out.zero_()`` then ``Sm90Nvfp4GroupedGemm(mode="scatter")`` over ``w2``: ``out[t] += w * (h @ W2.T)``.
+
+Weights are format 1 as written by ``convert`` (``docs/format.md``); the contract of each operand is
+in ``sm90_moe_gemm``. Compiled kernels are cached in-process by their static configuration (and on
+disk by CuTeDSL's own file cache); :meth:`Sm90NvFp4MoE.warmup` compiles every configuration a
+layer can pick so that no compile happens during capture.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .sm90_moe_gemm import Sm90Nvfp4GroupedGemm
+from .sm90_moe_routing import Sm90MoeRouting, max_tiles_for
+from .swizzle import swizzled_nbytes
+
+TILE_TOKEN_CHOICES = (8, 16, 32, 64)
+_COMPILED: dict[tuple, Callable] = {}
+
+
+def pick_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
+    """Tokens per work tile: about twice the mean pairs per expert, in {8, 16, 32, 64}."""
+    mean = tokens * top_k / max(experts, 1)
+    for bn in TILE_TOKEN_CHOICES:
+        if 2 * mean <= bn:
+            return bn
+    return TILE_TOKEN_CHOICES[-1]
+
+
+def _cute(t: torch.Tensor):
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(t, assumed_align=16 if t.data_ptr() % 16 == 0 else t.element_size()).mark_layout_dynamic(
+        leading_dim=t.dim() - 1)
+
+
+def _stream():
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def compile_op(op, tensors: list[torch.Tensor], stream=None) -> Callable:
+    """Compile ``op`` for these tensors' dtypes and ranks (shapes stay dynamic), cached in-process.
+
+    Works without a GPU: with ``CUTE_DSL_ARCH=sm_90a`` set and CPU tensors it builds the sm_90a
+    cubin and returns the callable (which then needs CUDA tensors to run).
+    """
+    key = (type(op).__name__, op.key(), tuple((t.dtype, t.dim()) for t in tensors))
+    fn = _COMPILED.get(key)
+    if fn is None:
+        import cutlass.cute as cute
+        import cuda.bindings.driver as cuda
+        fn = cute.compile(op, *[_cute(t) for t in tensors], stream if stream is not None else cuda.CUstream(0))
+        _COMPILED[key] = fn
+    return fn
+
+
+def _launch(op, tensors: list[torch.Tensor]) -> None:
+    """Compile once (see :func:`compile_op`), then launch on the current stream."""
+    stream = _stream()
+    compile_op(op, tensors, stream)(*[_cute(t) for t in tensors], stream)
+
+
+def _expect(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+class Sm90NvFp4MoE:
+    """Routed experts of one MoE layer shape on Hopper (sm_90a).
+
+    Args:
+        hidden: H. intermediate: I (per expert). experts: E. top_k: k.
+        swiglu_limit: clamp L of the SwiGLU (None: no clamp).
+        max_tokens: the largest T a call may pass (workspaces are sized for it).
+        device: CUDA device of the workspaces.
+    """
+
+    def __init__(self, *, hidden: int, intermediate: int, experts: int, top_k: int,
+                 swiglu_limit: float | None, max_tokens: int, device: torch.device | str = "cuda"):
+        self.h, self.i, self.e, self.k = hidden, intermediate, experts, top_k
+        self.limit = swiglu_limit
+        self.max_tokens = max_tokens
+        pairs = max_tokens * top_k
+        dev = torch.device(device)
+        self.token_of = torch.zeros(pairs, dtype=torch.int32, device=dev)
+        self.weight_of = torch.zeros(pairs, dtype=torch.float32, device=dev)
+        self.rank = torch.zeros(pairs, dtype=torch.int32, device=dev)
+        self.tiles = torch.zeros(max_tiles_for(pairs, experts, TILE_TOKEN_CHOICES[0]), 3, dtype=torch.int32, device=dev)
+        self.num_tiles = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.hbuf = torch.empty(pairs, intermediate, dtype=torch.bfloat16, device=dev)
+
+    def kernels(self, tile_tokens: int) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
+        """The three kernel objects used for a token tile size."""
+        return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
+                Sm90Nvfp4GroupedGemm(m=2 * self.i, k=self.h, mode="swiglu", tile_tokens=tile_tokens,
+                                     swiglu_limit=self.limit),
+                Sm90Nvfp4GroupedGemm(m=self.h, k=self.i, mode="scatter", tile_tokens=tile_tokens))
+
+    def check_weights(self, w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha) -> None:
+        e, h, i = self.e, self.h, self.i
+        _expect(w13.dtype == torch.uint8 and tuple(w13.shape) == (e, 2 * i, h // 2),
+                f"w13 must be uint8 [E={e}, 2I={2 * i}, H/2={h // 2}], got {w13.dtype} {tuple(w13.shape)}")
+        _expect(w2.dtype == torch.uint8 and tuple(w2.shape) == (e, h, i // 2),
+                f"w2 must be uint8 [E={e}, H={h}, I/2={i // 2}], got {w2.dtype} {tuple(w2.shape)}")
+        _expect(tuple(w13_scale.shape) == (e, swizzled_nbytes(2 * i, h // 16)) and w13_scale.dtype == torch.uint8,
+                f"w13_scale must be uint8 [E, swz(2I, H/16)], got {w13_scale.dtype} {tuple(w13_scale.shape)}")
+        _expect(tuple(w2_scale.shape) == (e, swizzled_nbytes(h, i // 16)) and w2_scale.dtype == torch.uint8,
+                f"w2_scale must be uint8 [E, swz(H, I/16)], got {w2_scale.dtype} {tuple(w2_scale.shape)}")
+        for name, a in (("w13_alpha", w13_alpha), ("w2_alpha", w2_alpha)):
+            _expect(a.dtype == torch.float32 and tuple(a.shape) == (e,), f"{name} must be float32 [E={e}]")
+        for t in (w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha):
+            _expect(t.is_cuda and t.is_contiguous(), "weights must be contiguous CUDA tensors")
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 w13: torch.Tensor, w13_scale: torch.Tensor, w13_alpha: torch.Tensor,
+                 w2: torch.Tensor, w2_scale: torch.Tensor, w2_alpha: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out`` float32 [T, H] = the routed MoE of ``x`` (contract of ``moe_reference``)."""
+        t = x.shape[0]
+        _expect(x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == self.h and x.is_contiguous(),
+                f"x must be contiguous bf16 [T, H={self.h}], got {x.dtype} {tuple(x.shape)}")
+        _expect(1 <= t <= self.max_tokens, f"T={t} outside [1, max_tokens={self.max_tokens}]")
+        _expect(tuple(topk_ids.shape) == (t, self.k) and topk_ids.dtype in (torch.int32, torch.int64),
+                f"topk_ids must be int32/int64 [T, k={self.k}]")
+        _expect(tuple(topk_weights.shape) == (t, self.k) and topk_weights.dtype == torch.float32,
+                f"topk_weights must be float32 [T, k={self.k}]")
+        if out is None:
+            out = torch.empty(t, self.h, dtype=torch.float32, device=x.device)
+        _expect(out.dtype == torch.float32 and tuple(out.shape) == (t, self.h) and out.is_contiguous(),
+                "out must be contiguous float32 [T, H]")
+        pairs = t * self.k
+        bn = pick_tile_tokens(t, self.k, self.e)
+        routing, l1, l2 = self.kernels(bn)
+        tiles = self.tiles[:max_tiles_for(pairs, self.e, bn)]
+        token_of, weight_of, rank = self.token_of[:pairs], self.weight_of[:pairs], self.rank[:pairs]
+        hbuf = self.hbuf[:pairs]
+        _launch(routing, [topk_ids.reshape(-1), topk_weights.reshape(-1), token_of, weight_of, tiles,
+                          self.num_tiles, rank])
+        _launch(l1, [w13, w13_scale, w13_alpha, x, token_of, weight_of, tiles, self.num_tiles, hbuf])
+        out.zero_()
+        _launch(l2, [w2, w2_scale, w2_alpha, hbuf, token_of, weight_of, tiles, self.num_tiles, out])
+        return out
+
+
+def nvfp4_linear_sm90(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, alpha: torch.Tensor,
+                      out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dense NVFP4 linear ``x @ W.T * alpha`` (the grouped kernel with one group, ``mode="store"``).
+
+    ``x`` bf16 [T, K]; ``weight`` uint8 [N, K/2]; ``weight_scale`` uint8 [swz(N, K/16)]; ``alpha``
+    float32 [] or [1] (a CUDA tensor, so no host sync). Returns ``out_dtype`` (bf16 or f32) [T, N].
+    """
+    n, half_k = weight.shape
+    k = 2 * half_k
+    _expect(x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == k and x.is_contiguous(),
+            f"x must be contiguous bf16 [T, K={k}], got {x.dtype} {tuple(x.shape)}")
+    _expect(weight_scale.numel() == swizzled_nbytes(n, k // 16), "weight_scale must hold swz(N, K/16) bytes")
+    _expect(alpha.dtype == torch.float32 and alpha.numel() == 1 and alpha.is_cuda, "alpha must be a float32 CUDA scalar")
+    if out is None:
+        out = torch.empty(x.shape[0], n, dtype=out_dtype, device=x.device)
+    bn = 8
+    while bn < 64 and bn < x.shape[0]:
+        bn *= 2
+    op = Sm90Nvfp4GroupedGemm(m=n, k=k, mode="store", tile_tokens=bn, out_bf16=out.dtype == torch.bfloat16)
+    dummy_i = torch.zeros(1, 3, dtype=torch.int32, device=x.device)
+    _launch(op, [weight.view(1, n, half_k), weight_scale.reshape(1, -1), alpha.reshape(1), x,
+                 dummy_i[0, :1], alpha.reshape(1), dummy_i, dummy_i[0, :1], out])
+    return out

@@ -1,0 +1,269 @@
+"""SM90 grouped NVFP4 x BF16 GEMM (swap-AB) with the MoE epilogues: SwiGLU (L1), routed scatter-add (L2), store (dense).
+
+Operand roles. The packed NVFP4 weights are the MMA **A** operand (M = weight rows): each thread
+loads its rows' E2M1 bytes straight from global memory (16 B per row per 128-K tile), decodes them
+to BF16 in registers, multiplied by the row's E4M3 block scale (exact, see ``sm90_moe_ptx``), and
+feeds ``mma.sync.m16n8k16`` (a warp-level tensor-core MMA; its A fragment holds rows r and r+8 per
+thread, like a WGMMA m64 fragment). Tokens are the **B** operand (N = 8 tokens per MMA), so one
+token already fills an MMA; the global scale ``alpha`` rides the epilogue in fp32.
+
+K order. The sum over K is order-free, so each thread owns a contiguous run of K: in a 128-K tile,
+lane quad ``c = lane % 4`` owns logical k ``32c .. 32c+31`` (16 weight bytes, 64 activation bytes,
+two scale bytes). MMA step ``s = 2w + u`` (w = weight word, u = 0/1) pairs the fragment slots
+(2c, 2c+1, 2c+8, 2c+9) with logical k ``8w + (2u, 2u+4, 2u+1, 2u+5)``; the activations are
+permuted the same way in registers (one ``prmt`` per B register), so neither operand is repacked
+in memory: the kernel reads format 1 as written (``docs/format.md``).
+
+Layout contract (format 1): ``w`` uint8 [E, M, K/2] (low nibble = even k), ``s`` uint8
+[E, swz(M, K/16)] (128x4 swizzle, ``kernels/swizzle.py``), ``alpha`` f32 [E]; activations BF16
+K-major. For L1 the M rows are w13's gate/up rows interleaved by 8 (``kernels/interleave.py``): the
+thread holding accumulator row r (gate j) also holds r+8 (up j), so SwiGLU is thread-local.
+
+Work items. ``tiles`` int32 [max_tiles, 3] = (expert, begin, end) over the expert-sorted pair
+list (built on the GPU by ``sm90_moe_routing``), ``num_tiles`` int32 [1]; grid = (M / BM,
+max_tiles); CTAs past ``num_tiles`` exit at once. Dense mode (one group) tiles the tokens itself.
+
+Epilogues (``mode``):
+* ``"swiglu"``: ``h[p, j] = bf16(silu(min(g, L)) * clamp(u, -L, L))`` for sorted pair p, with
+  ``g, u = alpha * acc``; B rows are gathered as ``x[token_of[p]]``.
+* ``"scatter"``: ``out[token_of[p], r] += alpha * weight[p] * acc`` (fp32 ``red.add``; ``out``
+  must be zero first); B rows are ``h[p]``.
+* ``"store"``: ``out[t, r] = alpha * acc`` (f32 or bf16), B rows are ``x[t]``, no routing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from . import sm90_moe_ptx as ptx
+from .swizzle import swizzled_nbytes
+
+K_TILE = 128  # logical K per tile: 16 bytes of one weight row per lane, 4 lanes per row
+MODES = ("swiglu", "scatter", "store")
+
+
+class Sm90Nvfp4GroupedGemm:
+    """One compiled configuration: static M, K, mode, token tile and CTA shape.
+
+    Args:
+        m: weight rows per expert (2I for L1, H for L2, out features for dense).
+        k: reduction size (H for L1, I for L2); a multiple of 128 * depth.
+        mode: ``"swiglu"``, ``"scatter"`` or ``"store"`` (module docstring).
+        tile_tokens: tokens per work item, a multiple of 8 (<= 64).
+        swiglu_limit: the clamp ``L`` of ``"swiglu"`` (None: no clamp).
+        warps: warps per CTA; each owns ``16 * row_tiles`` weight rows.
+        depth: k-tiles of weight loads kept in flight per thread.
+        out_bf16: ``"store"`` writes BF16 instead of float32.
+    """
+
+    def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
+                 warps: int = 4, row_tiles: int = 1, depth: int = 4, out_bf16: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
+            raise ValueError(f"tile_tokens must be a multiple of 8 in [8, 64], got {tile_tokens}")
+        self.m, self.k, self.mode = m, k, mode
+        self.bn = tile_tokens
+        self.nb = tile_tokens // 8
+        self.warps, self.row_tiles = warps, row_tiles
+        self.bm = warps * 16 * row_tiles
+        self.n_kt = k // K_TILE
+        self.depth = max(d for d in (1, 2, 4, depth) if d <= depth and self.n_kt % d == 0)
+        if m % self.bm:
+            raise ValueError(f"M={m} must be a multiple of the CTA's {self.bm} rows")
+        if k % K_TILE:
+            raise ValueError(f"K={k} must be a multiple of {K_TILE}")
+        self.swiglu_limit = swiglu_limit
+        self.out_bf16 = out_bf16
+        self.scale_bytes = swizzled_nbytes(m, k // 16)  # per expert
+        self.kb4 = math.ceil(k // 16 / 4)  # 512-byte scale atoms per 128 rows
+        self.epi_scale = float(2 ** ptx.EPILOGUE_LOG2)
+
+    def key(self) -> tuple:
+        return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
+                self.out_bf16)
+
+    @cute.jit
+    def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
+                 mTok: cute.Tensor, mRW: cute.Tensor, mTiles: cute.Tensor, mNumTiles: cute.Tensor,
+                 mOut: cute.Tensor, stream):
+        if const_expr(self.mode == "store"):
+            n_tiles = (mX.shape[0] + self.bn - 1) // self.bn
+        else:
+            n_tiles = mTiles.shape[0]
+        self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut).launch(
+            grid=[self.m // self.bm, n_tiles, 1], block=[self.warps * 32, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
+               mTok: cute.Tensor, mRW: cute.Tensor, mTiles: cute.Tensor, mNumTiles: cute.Tensor,
+               mOut: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+
+        live = Int32(1)
+        expert = Int32(0)
+        begin = by * self.bn
+        end = begin + self.bn
+        if const_expr(self.mode == "store"):
+            if end > mX.shape[0]:
+                end = mX.shape[0]
+        else:
+            if by >= mNumTiles[0]:
+                live = Int32(0)
+            else:
+                expert = mTiles[by, 0]
+                begin = mTiles[by, 1]
+                end = mTiles[by, 2]
+        if live != 0:
+            self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx, warp, g, c)
+
+    @cute.jit
+    def tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,
+             mRW: cute.Tensor, mOut: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32, bx: Int32,
+             warp: Int32, g: Int32, c: Int32):
+        k, m = self.k, self.m
+        row_base = bx * self.bm + warp * (16 * self.row_tiles)
+        e64 = Int64(expert)
+
+        # --- per-thread base addresses (bytes) ---
+        w_base = mW.iterator.toint() + e64 * (m * (k // 2)) + Int64(c * 16)
+        s_base = mS.iterator.toint() + e64 * self.scale_bytes + Int64((c // 2) * 512 + (c % 2) * 2)
+        a_addr = cute.make_rmem_tensor((self.row_tiles, 2), Int64)
+        s_addr = cute.make_rmem_tensor((self.row_tiles, 2), Int64)
+        for mt in cutlass.range_constexpr(self.row_tiles):
+            for h in cutlass.range_constexpr(2):
+                r = row_base + mt * 16 + g + h * 8
+                a_addr[mt, h] = w_base + Int64(r) * (k // 2)
+                s_addr[mt, h] = s_base + Int64((r // 128) * (self.kb4 * 512) + (r % 32) * 16 + ((r // 32) % 4) * 4)
+        b_addr = cute.make_rmem_tensor((self.nb,), Int64)
+        x_base = mX.iterator.toint() + Int64(c * 64)
+        for nb in cutlass.range_constexpr(self.nb):
+            t = nb * 8 + g
+            if t > cnt - 1:
+                t = cnt - 1
+            brow = begin + t
+            if const_expr(self.mode == "swiglu"):
+                brow = mTok[brow]
+            b_addr[nb] = x_base + Int64(brow) * (k * 2)
+
+        # --- register pipeline of weight words and scale pairs ---
+        D = self.depth
+        n_kt = self.n_kt
+        wbuf = cute.make_rmem_tensor((D, self.row_tiles, 2, 4), Int32)
+        sbuf = cute.make_rmem_tensor((D, self.row_tiles, 2), Int32)
+        acc = cute.make_rmem_tensor((self.row_tiles, self.nb, 4), Float32)
+        acc.fill(0.0)
+        for d in cutlass.range_constexpr(D):
+            self.load_a(wbuf, sbuf, a_addr, s_addr, d, Int32(d))
+
+        for kto in cutlass.range(0, n_kt, D, unroll=1):
+            for d in cutlass.range_constexpr(D):
+                kt = kto + d
+                # activations of this k-tile
+                xw = cute.make_rmem_tensor((self.nb, 16), Int32)
+                for nb in cutlass.range_constexpr(self.nb):
+                    for q in cutlass.range_constexpr(4):
+                        v = ptx.ld_global_v4_keep(b_addr[nb] + Int64(kt * 256 + q * 16))
+                        for i in cutlass.range_constexpr(4):
+                            xw[nb, q * 4 + i] = v[i]
+                # take this stage's weights, refill the slot with k-tile kt + D (clamped: a re-read hits cache)
+                cw = cute.make_rmem_tensor((self.row_tiles, 2, 4), Int32)
+                cs = cute.make_rmem_tensor((self.row_tiles, 2), Int32)
+                for mt in cutlass.range_constexpr(self.row_tiles):
+                    for h in cutlass.range_constexpr(2):
+                        cs[mt, h] = sbuf[d, mt, h]
+                        for i in cutlass.range_constexpr(4):
+                            cw[mt, h, i] = wbuf[d, mt, h, i]
+                nxt = kt + D
+                if nxt > n_kt - 1:
+                    nxt = n_kt - 1
+                self.load_a(wbuf, sbuf, a_addr, s_addr, d, nxt)
+                self.mma_ktile(cw, cs, xw, acc)
+
+        self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
+
+    @cute.jit
+    def load_a(self, wbuf: cute.Tensor, sbuf: cute.Tensor, a_addr: cute.Tensor, s_addr: cute.Tensor,
+               slot: cutlass.Constexpr[int], kt: Int32):
+        for mt in cutlass.range_constexpr(self.row_tiles):
+            for h in cutlass.range_constexpr(2):
+                v = ptx.ld_global_v4(a_addr[mt, h] + Int64(kt * 64))
+                for i in cutlass.range_constexpr(4):
+                    wbuf[slot, mt, h, i] = v[i]
+                sbuf[slot, mt, h] = ptx.ld_global_u16(s_addr[mt, h] + Int64(kt * 1024))
+
+    @cute.jit
+    def mma_ktile(self, cw: cute.Tensor, cs: cute.Tensor, xw: cute.Tensor, acc: cute.Tensor):
+        for mt in cutlass.range_constexpr(self.row_tiles):
+            # decoded A words: a[h][w][j] = (v_j, v_{j+4}) of word w of row h, times its block scale
+            a = cute.make_rmem_tensor((2, 4, 4), Int32)
+            for h in cutlass.range_constexpr(2):
+                s01 = ptx.e4m3x2_to_bf16x2_pair(cs[mt, h], ptx.DECODE_BIAS)
+                for w in cutlass.range_constexpr(4):
+                    r = ptx.decode_e2m1x8(cw[mt, h, w])
+                    for j in cutlass.range_constexpr(4):
+                        a[h, w, j] = ptx.mul_bf16x2(r[j], s01[w // 2])
+            for w in cutlass.range_constexpr(4):
+                for u in cutlass.range_constexpr(2):
+                    a0 = a[0, w, 2 * u]
+                    a1 = a[1, w, 2 * u]
+                    a2 = a[0, w, 2 * u + 1]
+                    a3 = a[1, w, 2 * u + 1]
+                    for nb in cutlass.range_constexpr(self.nb):
+                        x_lo = xw[nb, 4 * w + u]
+                        x_hi = xw[nb, 4 * w + u + 2]
+                        b0 = ptx.prmt(x_lo, x_hi, 0x5410)
+                        b1 = ptx.prmt(x_lo, x_hi, 0x7632)
+                        d = ptx.mma_bf16_16816(a0, a1, a2, a3, b0, b1, acc[mt, nb, 0], acc[mt, nb, 1],
+                                               acc[mt, nb, 2], acc[mt, nb, 3])
+                        for i in cutlass.range_constexpr(4):
+                            acc[mt, nb, i] = d[i]
+
+    @cute.jit
+    def epilogue(self, acc: cute.Tensor, mAlpha: cute.Tensor, mTok: cute.Tensor, mRW: cute.Tensor,
+                 mOut: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32, row_base: Int32, g: Int32, c: Int32):
+        scale = mAlpha[expert] * Float32(self.epi_scale)
+        out_base = mOut.iterator.toint()
+        for mt in cutlass.range_constexpr(self.row_tiles):
+            r0 = row_base + mt * 16 + g
+            for nb in cutlass.range_constexpr(self.nb):
+                for tt in cutlass.range_constexpr(2):
+                    t = nb * 8 + 2 * c + tt
+                    if t < cnt:
+                        p = begin + t
+                        lo = acc[mt, nb, tt] * scale       # row r0
+                        hi = acc[mt, nb, 2 + tt] * scale   # row r0 + 8
+                        if const_expr(self.mode == "swiglu"):
+                            gate, up = lo, hi
+                            if const_expr(self.swiglu_limit is not None):
+                                lim = Float32(self.swiglu_limit)
+                                gate = cute.arch.fmin(gate, lim)
+                                up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
+                            hval = gate / (Float32(1.0) + cute.arch.exp(-gate)) * up
+                            j = (row_base + mt * 16) // 2 + g
+                            addr = out_base + (Int64(p) * (self.m // 2) + Int64(j)) * 2
+                            ptx.st_global_b16(addr, ptx.f32x2_to_bf16x2(hval, hval))
+                        elif const_expr(self.mode == "scatter"):
+                            tok = mTok[p]
+                            wt = mRW[p]
+                            addr = out_base + (Int64(tok) * self.m + Int64(r0)) * 4
+                            ptx.red_add_f32(addr, lo * wt)
+                            ptx.red_add_f32(addr + 32, hi * wt)
+                        else:
+                            if const_expr(self.out_bf16):
+                                addr = out_base + (Int64(p) * self.m + Int64(r0)) * 2
+                                ptx.st_global_b16(addr, ptx.f32x2_to_bf16x2(lo, lo))
+                                ptx.st_global_b16(addr + 16, ptx.f32x2_to_bf16x2(hi, hi))
+                            else:
+                                addr = out_base + (Int64(p) * self.m + Int64(r0)) * 4
+                                ptx.st_global_f32(addr, lo)
+                                ptx.st_global_f32(addr + 32, hi)

@@ -1,0 +1,160 @@
+"""Inline-PTX building blocks of the SM90 NVFP4 MoE kernels (what CuTeDSL has no op for).
+
+* 16-byte / 2-byte global loads on raw addresses (read-only path, weights streamed once);
+* ``mma.sync.m16n8k16`` BF16 x BF16 -> FP32 on register fragments;
+* E2M1 x E4M3 -> BF16 decode (see :func:`decode_e2m1x8`), exact;
+* ``red.global.add.f32`` for the token scatter-reduce.
+
+Every helper is a pure function of 32-bit registers (``Int32``) or ``Float32`` values.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _struct(n: int, ty: str = "i32") -> ir.Type:
+    return ir.Type.parse("!llvm.struct<(" + ", ".join([ty] * n) + ")>")
+
+
+def _unpack(res, n: int, ty, wrap, loc=None, ip=None):
+    return tuple(wrap(llvm.extractvalue(ty, res, [i], loc=loc, ip=ip)) for i in range(n))
+
+
+@dsl_user_op
+def ld_global_v4(addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """16 bytes from a 16-aligned global address, read-only cache path, not kept in L1."""
+    res = llvm.inline_asm(
+        _struct(4), [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l", has_side_effects=False, loc=loc, ip=ip)
+    return _unpack(res, 4, T.i32(), Int32, loc, ip)
+
+
+@dsl_user_op
+def ld_global_v4_keep(addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """16 bytes from a 16-aligned global address through L1 (activations: reused by every warp)."""
+    res = llvm.inline_asm(
+        _struct(4), [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l", has_side_effects=False, loc=loc, ip=ip)
+    return _unpack(res, 4, T.i32(), Int32, loc, ip)
+
+
+@dsl_user_op
+def ld_global_u16(addr: Int64, *, loc=None, ip=None) -> Int32:
+    """2 bytes (zero-extended) from a 2-aligned global address, read-only path."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "{.reg .u16 t; ld.global.nc.u16 t, [$1]; cvt.u32.u16 $0, t;}",
+        "=r,l", has_side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def prmt(a: Int32, b: Int32, sel: int, *, loc=None, ip=None) -> Int32:
+    """``prmt.b32``: bytes of {b:a} picked by the 4 selector nibbles of ``sel``."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        f"prmt.b32 $0, $1, $2, {sel:#x};", "=r,r,r", has_side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mul_bf16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
+    """Lane-wise BF16 product (round to nearest; subnormal inputs are honoured)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def e4m3x2_to_bf16x2_pair(sf: Int32, log2_bias: int, *, loc=None, ip=None) -> tuple[Int32, Int32]:
+    """Two E4M3 scale bytes (low 16 bits of ``sf``) -> two BF16x2 words, each a scale times
+    ``2**log2_bias`` broadcast to both lanes: ``(s0, s0)``, ``(s1, s1)``. Exact (E4M3 fits BF16)."""
+    res = llvm.inline_asm(
+        _struct(2), [Int32(sf).ir_value(loc=loc, ip=ip)],
+        "{.reg .b16 lo, hi, s16; .reg .b32 h2; .reg .f32 f0, f1;\n\t"
+        "mov.b32 {lo, hi}, $2;\n\t"
+        "cvt.rn.f16x2.e4m3x2 h2, lo;\n\t"
+        "mov.b32 {lo, hi}, h2;\n\t"
+        "cvt.f32.f16 f0, lo;\n\t"
+        "cvt.f32.f16 f1, hi;\n\t"
+        f"mul.f32 f0, f0, 0f{(127 + log2_bias) << 23:08X};\n\t"
+        f"mul.f32 f1, f1, 0f{(127 + log2_bias) << 23:08X};\n\t"
+        "cvt.rn.bf16x2.f32 $0, f0, f0;\n\t"
+        "cvt.rn.bf16x2.f32 $1, f1, f1;}",
+        "=r,=r,r", has_side_effects=False, loc=loc, ip=ip)
+    return _unpack(res, 2, T.i32(), Int32, loc, ip)
+
+
+# Decoding E2M1 without a table. A code s|e1 e0 m placed as BF16 bits ``s<<15 | (e1 e0 m)<<6``
+# reads as ``value * 2**-126`` for every code, the subnormal 0.5 included (exponent field e,
+# top mantissa bit m). So 8 nibbles v0..v7 of a word give 4 BF16x2 words R_j = (v_j, v_{j+4}):
+# both lanes of R_j need the same shift (6 - 4j for the magnitude, 12 - 4j for the sign).
+# The block scale is decoded as ``sb * 2**DECODE_BIAS`` and one BF16 multiply gives
+# ``v * sb * 2**(DECODE_BIAS - 126)`` exactly (<= 6 significant bits); the epilogue multiplies
+# by ``alpha * 2**(126 - DECODE_BIAS)``. DECODE_BIAS = 118 keeps every value a normal BF16
+# (smallest 0.5 * 2**-9 * 2**-8) and ``448 * 2**118`` below the BF16 maximum.
+DECODE_BIAS = 118
+EPILOGUE_LOG2 = 126 - DECODE_BIAS
+_MAG = 0x01C001C0
+_SIGN = 0x80008000
+
+
+def decode_e2m1x8(w: Int32) -> tuple[Int32, Int32, Int32, Int32]:
+    """8 E2M1 nibbles (v0 lowest) -> ``(v_j, v_{j+4}) * 2**-126`` as BF16x2 words, j = 0..3."""
+    u = w
+    r0 = ((u << 6) & Int32(_MAG)) | ((u << 12) & Int32(_SIGN - (1 << 32)))
+    r1 = ((u << 2) & Int32(_MAG)) | ((u << 8) & Int32(_SIGN - (1 << 32)))
+    r2 = ((u >> 2) & Int32(_MAG)) | ((u << 4) & Int32(_SIGN - (1 << 32)))
+    r3 = ((u >> 6) & Int32(_MAG)) | (u & Int32(_SIGN - (1 << 32)))
+    return r0, r1, r2, r3
+
+
+@dsl_user_op
+def mma_bf16_16816(a0: Int32, a1: Int32, a2: Int32, a3: Int32, b0: Int32, b1: Int32,
+                   c0: Float32, c1: Float32, c2: Float32, c3: Float32, *, loc=None, ip=None
+                   ) -> tuple[Float32, Float32, Float32, Float32]:
+    """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: D = A B + C on one warp."""
+    args = [Int32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3, b0, b1)]
+    args += [Float32(v).ir_value(loc=loc, ip=ip) for v in (c0, c1, c2, c3)]
+    res = llvm.inline_asm(
+        _struct(4, "f32"), args,
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, loc=loc, ip=ip)
+    return _unpack(res, 4, T.f32(), Float32, loc, ip)
+
+
+@dsl_user_op
+def red_add_f32(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
+    """``red.global.add.f32``: fire-and-forget atomic add."""
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
+        "red.global.add.f32 [$0], $1;", "l,f", has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_b16(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
+    """Store the low 16 bits of ``v``."""
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
+        "{.reg .b16 lo, hi; mov.b32 {lo, hi}, $1; st.global.b16 [$0], lo;}", "l,r",
+        has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_f32(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],
+        "st.global.f32 [$0], $1;", "l,f", has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def f32x2_to_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """Pack two floats as BF16x2 (``lo`` in the low half), round to nearest even."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=False, loc=loc, ip=ip))

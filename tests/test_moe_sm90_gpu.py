@@ -1,0 +1,125 @@
+"""GPU checks of the SM90 NVFP4 MoE kernels against the fp32 PyTorch reference (random data, poisoned outputs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvfp4_megamoe.kernels.moe_reference import moe_reference, random_moe_weights
+from nvfp4_megamoe.kernels.nvfp4_reference import nvfp4_linear
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_90a)"),
+]
+
+SHAPES = {  # H, I, E, top-k
+    "small": (512, 256, 16, 4),
+    "flash": (4096, 2048, 256, 6),
+    "pro": (7168, 3072, 384, 6),
+}
+CASES = [
+    ("small", 1, "uniform"), ("small", 3, "skewed"), ("small", 17, "uniform"), ("small", 130, "skewed"),
+    ("small", 1001, "uniform"),
+    ("flash", 1, "uniform"), ("flash", 5, "uniform"), ("flash", 64, "skewed"), ("flash", 333, "uniform"),
+    ("flash", 8192, "skewed"),
+    ("pro", 1, "uniform"), ("pro", 7, "skewed"), ("pro", 256, "uniform"), ("pro", 4095, "uniform"),
+]
+_WEIGHTS: dict[str, dict] = {}
+_LAYERS: dict[str, object] = {}
+
+
+def _weights(shape: str) -> dict:
+    if shape not in _WEIGHTS:
+        _WEIGHTS.clear()  # keep one model's weights resident at a time
+        h, i, e, _ = SHAPES[shape]
+        gen = torch.Generator(device="cuda").manual_seed(hash(shape) % 1000)
+        _WEIGHTS[shape] = random_moe_weights(e, h, i, generator=gen, device="cuda")
+    return _WEIGHTS[shape]
+
+
+def _layer(shape: str):
+    from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
+    if shape not in _LAYERS:
+        h, i, e, k = SHAPES[shape]
+        _LAYERS[shape] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=10.0,
+                                      max_tokens=8192)
+    return _LAYERS[shape]
+
+
+def routing(t: int, e: int, k: int, kind: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct experts per token. "skewed": experts 0-1 take most tokens, the upper half gets none."""
+    logits = torch.rand(t, e, device="cuda", generator=gen)
+    if kind == "skewed":
+        logits[:, :2] += 0.9
+        logits[:, e // 2:] -= 2.0
+    ids = logits.topk(k, dim=1).indices
+    return ids, torch.rand(t, k, device="cuda", generator=gen) + 0.05
+
+
+def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("shape,tokens,kind", CASES)
+def test_moe_matches_reference(shape, tokens, kind):
+    h, i, e, k = SHAPES[shape]
+    w = _weights(shape)
+    layer = _layer(shape)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, wts = routing(tokens, e, k, kind, gen)
+    if kind == "skewed":
+        assert int(torch.bincount(ids.flatten(), minlength=e)[e // 2:].sum()) == 0
+    out = torch.full((tokens, h), float("nan"), device="cuda")
+    layer.hbuf.fill_(float("nan"))
+    layer(x, ids, wts, **w, out=out)
+    torch.cuda.synchronize()
+    ref = moe_reference(x, ids, wts, **w, swiglu_limit=10.0)
+    assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
+    err = _relerr(out, ref)
+    assert err <= 1e-2, f"relative error {err:.3e}"
+    assert float(ref.abs().mean()) > 1e-2
+
+
+def test_moe_int32_ids_and_cuda_graph():
+    h, i, e, k = SHAPES["small"]
+    w = _weights("small")
+    layer = _layer("small")
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    t = 37
+    x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, wts = routing(t, e, k, "uniform", gen)
+    ids = ids.to(torch.int32)
+    out = torch.full((t, h), float("nan"), device="cuda")
+    layer(x, ids, wts, **w, out=out)  # warm-up compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(x, ids, wts, **w, out=out)
+    for seed in (1, 2):
+        g2 = torch.Generator(device="cuda").manual_seed(seed)
+        x.copy_(torch.randn(t, h, device="cuda", generator=g2).to(torch.bfloat16))
+        new_ids, new_wts = routing(t, e, k, "skewed" if seed == 2 else "uniform", g2)
+        ids.copy_(new_ids), wts.copy_(new_wts)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = moe_reference(x, ids, wts, **w, swiglu_limit=10.0)
+        assert _relerr(out, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("n,kdim,t,subnormal", [(1024, 4096, 1, 0.02), (4096, 2048, 33, 0.02), (512, 1024, 9, 1.0)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_dense_linear(n, kdim, t, subnormal, out_dtype):
+    from nvfp4_megamoe.kernels.sm90_moe import nvfp4_linear_sm90
+    gen = torch.Generator(device="cuda").manual_seed(n + t)
+    w = random_moe_weights(1, kdim, n // 2, generator=gen, device="cuda", subnormal_fraction=subnormal)
+    weight, scale, alpha = w["w13"][0], w["w13_scale"][0], w["w13_alpha"][0].reshape(())
+    x = torch.randn(t, kdim, device="cuda", generator=gen).to(torch.bfloat16)
+    out = torch.full((t, n), float("nan"), device="cuda", dtype=out_dtype)
+    nvfp4_linear_sm90(x, weight, scale, alpha, out=out)
+    torch.cuda.synchronize()
+    ref = nvfp4_linear(x, weight, scale, alpha)
+    assert torch.isfinite(out.float()).all()
+    assert _relerr(out.float(), ref) <= 1e-2
