@@ -1,0 +1,199 @@
+"""Benchmark one routed MoE layer (L1 + SwiGLU + L2 + reduce, routing given) on the GPU.
+
+For V4-Flash and V4-Pro expert shapes and T tokens (uniform random top-k, distinct experts), each
+implementation is captured in a CUDA graph and replayed with a cold L2 (a 512 MiB buffer is
+rewritten before every timed replay); the median of ``--reps`` replays is reported.
+
+Implementations: ``ours`` (kernels/sm90_moe.py); ``torch_bf16`` (torch._grouped_mm on BF16 weights
+dequantised once, sort/scatter in torch); ``humming`` and ``quack`` anchors when importable.
+``floor`` = max(NVFP4 bytes of the experts touched / measured copy bandwidth, FLOPs / measured BF16
+matmul rate), both ceilings measured at start. Writes JSON (and a PNG plot with --plot).
+
+    python bench/moe_bench.py --out docs/moe_bench.json --plot docs/moe_bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
+from nvfp4_megamoe.kernels.nvfp4_reference import decode_weight
+from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
+
+MODELS = {"V4-Flash": (4096, 2048, 256, 6), "V4-Pro": (7168, 3072, 384, 6)}
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+LIMIT = 10.0
+
+
+def measure_ceilings() -> dict:
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ts = []
+    for _ in range(10):
+        ev[0].record(); b.copy_(a); ev[1].record(); torch.cuda.synchronize()
+        ts.append(ev[0].elapsed_time(ev[1]) * 1e-3)
+    bw = 2 * n / statistics.median(ts)
+    del a, b
+    m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        m @ m
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        ev[0].record(); m @ m; ev[1].record(); torch.cuda.synchronize()
+        ts.append(ev[0].elapsed_time(ev[1]) * 1e-3)
+    return {"copy_bytes_per_s": bw, "bf16_flops_per_s": 2 * 8192 ** 3 / statistics.median(ts)}
+
+
+class ColdTimer:
+    def __init__(self):
+        self.flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+        self.ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+
+    def time(self, graph: torch.cuda.CUDAGraph, reps: int) -> float:
+        ts = []
+        for _ in range(reps):
+            self.flush.fill_(1)
+            self.ev[0].record(); graph.replay(); self.ev[1].record()
+            torch.cuda.synchronize()
+            ts.append(self.ev[0].elapsed_time(self.ev[1]) * 1e3)
+        return statistics.median(ts)
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    fn(); torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def torch_bf16_layer(w13b, w2b, e, k):
+    """Reference-speed anchor: sort pairs, two torch._grouped_mm, SwiGLU, weighted index_add."""
+    def run(x, ids, wts, out):
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(e, dtype=torch.int32, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        tok = order // k
+        xs = x[tok]
+        y = torch._grouped_mm(xs, w13b.transpose(1, 2), offs=offs)
+        y = y.view(y.shape[0], -1, 2, 8).float()
+        gate, up = y[:, :, 0].reshape(y.shape[0], -1), y[:, :, 1].reshape(y.shape[0], -1)
+        hh = torch.nn.functional.silu(gate.clamp(max=LIMIT)) * up.clamp(-LIMIT, LIMIT)
+        hh = (hh * wts.reshape(-1)[order, None]).to(torch.bfloat16)
+        o = torch._grouped_mm(hh, w2b.transpose(1, 2), offs=offs)
+        out.zero_()
+        out.index_add_(0, tok, o.float())
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--impls", default="ours,torch_bf16")
+    ap.add_argument("--out", default="moe_bench.json")
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args()
+    impls = args.impls.split(",")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    ceil = measure_ceilings()
+    print(f"device {torch.cuda.get_device_name()}  copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s  "
+          f"bf16 {ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    timer = ColdTimer()
+    results = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "tokens": tokens, "models": {}}
+    for model in args.models.split(","):
+        h, i, e, k = MODELS[model]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w = random_moe_weights(e, h, i, generator=gen, device="cuda")
+        per_expert = (w["w13"][0].numel() + w["w13_scale"][0].numel() + w["w2"][0].numel() + w["w2_scale"][0].numel())
+        layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=max(tokens))
+        w13b = w2b = None
+        if "torch_bf16" in impls:
+            w13b = torch.stack([decode_weight(w["w13"][j], w["w13_scale"][j], w["w13_alpha"][j]).to(torch.bfloat16)
+                                for j in range(e)])
+            w2b = torch.stack([decode_weight(w["w2"][j], w["w2_scale"][j], w["w2_alpha"][j]).to(torch.bfloat16)
+                               for j in range(e)])
+        rows = []
+        for t in tokens:
+            x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+            ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
+            wts = torch.rand(t, k, device="cuda", generator=gen)
+            touched = int(torch.unique(ids).numel())
+            floor_bytes = touched * per_expert / ceil["copy_bytes_per_s"]
+            floor_flops = 2 * t * k * (h * 2 * i + i * h) / ceil["bf16_flops_per_s"]
+            row = {"T": t, "experts_touched": touched, "floor_us": max(floor_bytes, floor_flops) * 1e6,
+                   "floor_bytes_us": floor_bytes * 1e6, "floor_flops_us": floor_flops * 1e6}
+            out = torch.empty(t, h, device="cuda")
+            for impl in impls:
+                try:
+                    if impl == "ours":
+                        fn = lambda: layer(x, ids, wts, **w, out=out)  # noqa: E731
+                    elif impl == "torch_bf16":
+                        run = torch_bf16_layer(w13b, w2b, e, k)
+                        fn = lambda: run(x, ids, wts, out)  # noqa: E731
+                    else:
+                        continue
+                    t0 = time.time()
+                    g = capture(fn)
+                    row[impl + "_us"] = timer.time(g, args.reps)
+                    del g
+                except Exception as exc:  # an anchor that cannot run is reported, not fatal
+                    row[impl + "_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+            cells = "  ".join(f"{m}={row.get(m + '_us', float('nan')):8.1f}us ({row['floor_us'] / row[m + '_us']:.0%})"
+                              if m + "_us" in row else f"{m}=ERR" for m in impls)
+            print(f"{model:8s} T={t:5d} experts={touched:3d} floor={row['floor_us']:7.1f}us  {cells}", flush=True)
+        results["models"][model] = rows
+        del w, w13b, w2b, layer
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    if args.plot:
+        plot(results, impls, args.plot)
+
+
+def plot(results: dict, impls: list[str], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(results["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = results["models"][model]
+        for impl in impls:
+            pts = [(r["T"], r["floor_us"] / r[impl + "_us"]) for r in rows if impl + "_us" in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("floor / time")
+        ax.set_title(f"{model} MoE layer, {results['device']}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
