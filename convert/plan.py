@@ -138,6 +138,7 @@ def _matrix_unit(source: PlanSource, key: tuple, group: dict, config: dict, offe
         shp = _shape(source, w0)
         rows, cols = shp[0], shp[1] * (2 if fmt != "fp8" else 1)
     expected = _expected_shapes(fmt, rows, cols)
+    known = len(offenders)
     table: list[list[dict[str, str]]] = []
     for e in items:
         item = []
@@ -157,6 +158,8 @@ def _matrix_unit(source: PlanSource, key: tuple, group: dict, config: dict, offe
         table.append(item)
     if cols % 32 or rows % 8:
         offenders.append((first, file_of(first), f"shape [{rows}, {cols}] cannot become NVFP4 (needs in % 32 == 0, out % 8 == 0)"))
+    if len(offenders) > known:
+        return None
     return FusedMatrices(out_prefix, fmt, table, rows, cols, stacked=kind == "routed")
 
 
@@ -195,19 +198,31 @@ def build_units(source: PlanSource, options: Options) -> tuple[list[Unit], Count
     return units, counts
 
 
+# Upper bounds on a shard header's bytes: fixed part (length, metadata, padding) and per tensor
+# (quotes, dtype, offsets of up to 20 digits each), so file sizes, not just tensor bytes, stay
+# under the limit.
+HEADER_FIXED_BYTES = 512
+HEADER_ENTRY_BYTES = 96
+
+
+def _header_bytes(o: OutputSpec) -> int:
+    return HEADER_ENTRY_BYTES + len(o.name) + len(json.dumps(list(o.shape)))
+
+
 def assign_shards(outputs: list[OutputSpec], shard_size: int) -> list[list[OutputSpec]]:
-    """Greedy, in order: a new shard starts when the next tensor would pass ``shard_size``.
+    """Greedy, in order: a new shard starts when the next tensor would take the file past ``shard_size``.
 
     A single tensor larger than ``shard_size`` gets a shard of its own.
     """
     shards: list[list[OutputSpec]] = [[]]
-    size = 0
+    size = HEADER_FIXED_BYTES
     for o in outputs:
-        if shards[-1] and size + o.nbytes > shard_size:
+        cost = o.nbytes + _header_bytes(o)
+        if shards[-1] and size + cost > shard_size:
             shards.append([])
-            size = 0
+            size = HEADER_FIXED_BYTES
         shards[-1].append(o)
-        size += o.nbytes
+        size += cost
     return shards
 
 

@@ -1,0 +1,300 @@
+"""The converter end to end on synthetic checkpoints, checked against the format spec alone.
+
+Outputs are read with the real safetensors library and un-transformed here with the index
+formulas of docs/format.md (not with the converter's own inverse functions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from nvfp4_megamoe.convert.api import convert_checkpoint
+from nvfp4_megamoe.convert.cli import main
+from nvfp4_megamoe.convert.errors import OutputError, PlanError
+from nvfp4_megamoe.convert.inspect import inspect_checkpoint
+from nvfp4_megamoe.convert.synth import write_synthetic
+
+VARIANTS = ("flash", "pro", "base", "modelopt")
+
+
+class Checkpoint:
+    """All tensors of a safetensors checkpoint folder, opened lazily through its index."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.weight_map = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
+        self._handles = {}
+
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self.weight_map[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(self.root / f), "pt")
+        return self._handles[f].get_tensor(name)
+
+
+def spec_unswizzle(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    m = torch.arange(rows).unsqueeze(1)
+    kb = torch.arange(cols).unsqueeze(0)
+    off = ((m // 128) * math.ceil(cols / 4) + kb // 4) * 512 + (m % 32) * 16 + ((m // 32) % 4) * 4 + kb % 4
+    return flat[off]
+
+
+def spec_deinterleave(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r = torch.arange(fused.shape[0])
+    is_gate = (r // 8) % 2 == 0
+    return fused[r[is_gate]], fused[r[~is_gate]]
+
+
+def e4m3(b: torch.Tensor) -> torch.Tensor:
+    return b.view(torch.float8_e4m3fn).double()
+
+
+def e8m0(b: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([2.0 ** (int(x) - 127) for x in b.view(torch.uint8).reshape(-1)],
+                        dtype=torch.float64).reshape(b.shape)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, tuple[Checkpoint, Checkpoint, dict]]:
+    out = {}
+    for variant in VARIANTS:
+        root = tmp_path_factory.mktemp(variant)
+        src = write_synthetic(root / "src", preset="tiny", variant=variant, seed=7)
+        convert_checkpoint(src, root / "out", progress=False)
+        manifest = json.loads((root / "out" / "nvfp4_manifest.json").read_text())
+        out[variant] = (Checkpoint(src), Checkpoint(root / "out"), manifest)
+    return out
+
+
+def _expert_layers(cfg: dict) -> list[str]:
+    return [f"layers.{i}" for i in range(cfg["num_hidden_layers"])] + \
+        [f"mtp.{i}" for i in range(cfg.get("num_nextn_predict_layers", 0))]
+
+
+@pytest.mark.parametrize("variant", ["flash", "pro", "modelopt"])
+def test_expert_nibbles_and_scales_follow_the_spec(converted, variant):
+    src, out, _ = converted[variant]
+    cfg = json.loads((src.root / "config.json").read_text())
+    hidden, inter, n_exp = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+    checked_mx = checked_nv = 0
+    for layer in _expert_layers(cfg):
+        for fused, parts, rows, cols in (("w13", ("w1", "w3"), inter, hidden), ("w2", ("w2",), hidden, inter)):
+            base = f"{layer}.ffn.experts.{fused}"
+            weight, scale, alpha = out.get(f"{base}.weight"), out.get(f"{base}.weight_scale"), out.get(f"{base}.alpha")
+            assert weight.dtype == torch.uint8 and weight.shape == (n_exp, len(parts) * rows, cols // 2)
+            assert alpha.dtype == torch.float32 and alpha.shape == (n_exp,)
+            for e in range(n_exp):
+                s = spec_unswizzle(scale[e], len(parts) * rows, cols // 16)
+                w_parts = spec_deinterleave(weight[e]) if len(parts) == 2 else (weight[e],)
+                s_parts = spec_deinterleave(s) if len(parts) == 2 else (s,)
+                for p, w_out, s_out in zip(parts, w_parts, s_parts):
+                    name = f"{layer}.ffn.experts.{e}.{p}"
+                    assert torch.equal(w_out, src.get(f"{name}.weight").view(torch.uint8)), name
+                    eff = e4m3(s_out) * float(alpha[e])
+                    if f"{name}.scale" in src.names():  # MXFP4: exact powers of two on non-zero blocks
+                        want = e8m0(src.get(f"{name}.scale")).repeat_interleave(2, dim=1)
+                        codes = torch.stack((w_out & 7, (w_out >> 4) & 7), -1).reshape(rows, -1, 32)
+                        nonzero = (codes != 0).any(-1).repeat_interleave(2, dim=1)
+                        assert torch.equal(eff[nonzero], want[nonzero]), name
+                        checked_mx += 1
+                    else:  # ModelOpt: the source's e4m3 x weight_scale_2, within one E4M3 rounding
+                        want = e4m3(src.get(f"{name}.weight_scale")) * float(src.get(f"{name}.weight_scale_2"))
+                        assert float(((eff - want).abs() / want).max()) <= 2**-4, name
+                        checked_nv += 1
+    assert checked_mx > 0
+    assert variant != "modelopt" or checked_nv > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_passthrough_is_byte_identical_and_manifest_covers_every_source(converted, variant):
+    src, out, manifest = converted[variant]
+    sources = {s for entry in manifest["tensors"].values() for s in entry["sources"]}
+    assert sources == src.names()
+    assert set(manifest["tensors"]) == out.names()
+    copies = [n for n, e in manifest["tensors"].items() if e["transform"] == ["copy"]]
+    assert copies
+    for name in copies:
+        a, b = src.get(name), out.get(name)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_index_shards_and_metadata(converted, variant):
+    _, out, manifest = converted[variant]
+    files = set(out.weight_map.values())
+    assert files == set(manifest["shards"])
+    for f in files:
+        with safe_open(str(out.root / f), "pt") as h:
+            meta = h.metadata()
+            assert meta["format"] == "pt" and meta["nvfp4_format_version"] == "1"
+            assert set(h.keys()) == {n for n, g in out.weight_map.items() if g == f}
+    for copied in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out.root / copied).read_bytes() == (Path(manifest["source"]["path"]) / copied).read_bytes()
+
+
+def test_dense_fp8_requantized_with_measured_error(converted):
+    src, out, manifest = converted["flash"]
+    entry = manifest["tensors"]["layers.0.attn.wq_a.weight"]
+    assert entry["lossless"] is False and 0 < entry["error"]["rel_fro"] < 0.15
+    w, s = src.get("layers.0.attn.wq_a.weight"), src.get("layers.0.attn.wq_a.scale")
+    ref = w.double() * e8m0(s).repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+    packed, alpha = out.get("layers.0.attn.wq_a.weight"), float(out.get("layers.0.attn.wq_a.alpha"))
+    scales = e4m3(spec_unswizzle(out.get("layers.0.attn.wq_a.weight_scale"), packed.shape[0], packed.shape[1] // 8))
+    grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    codes = torch.stack((packed & 15, packed >> 4), -1).reshape(packed.shape[0], -1).long()
+    deq = (grid[codes].reshape(packed.shape[0], -1, 16) * scales.unsqueeze(-1)).reshape(ref.shape) * alpha
+    rel = float((deq - ref).norm() / ref.norm())
+    assert rel == pytest.approx(entry["error"]["rel_fro"], rel=1e-3)
+    shared = out.get("layers.0.ffn.shared_experts.w13.weight")
+    assert shared.shape[0] == 2 * src.get("layers.0.ffn.shared_experts.w1.weight").shape[0]
+
+
+def test_dense_keep_passes_fp8_through(tmp_path):
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
+    convert_checkpoint(src, tmp_path / "out", dense="keep", progress=False)
+    s, o = Checkpoint(src), Checkpoint(tmp_path / "out")
+    for name in ("layers.0.attn.wq_a.weight", "layers.0.attn.wq_a.scale", "layers.0.ffn.shared_experts.w1.weight"):
+        assert torch.equal(s.get(name).view(torch.uint8), o.get(name).view(torch.uint8))
+    assert "layers.0.ffn.experts.w13.weight" in o.names()
+    assert not any(n.startswith("layers.0.ffn.shared_experts.w13") for n in o.names())
+
+
+def test_out_of_range_blocks_are_counted_and_measured(tmp_path):
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash", out_of_range_blocks=3)
+    r = convert_checkpoint(src, tmp_path / "out", progress=False)
+    entry = r.manifest["tensors"]["layers.0.ffn.experts.w13.weight"]
+    assert entry["inexact_blocks"] == 3 and entry["lossless"] is False
+    assert 0 < entry["error"]["rel_fro"] < 1e-2
+    assert r.manifest["tensors"]["layers.0.ffn.experts.w2.weight"]["lossless"] is True
+
+
+def test_small_shard_size_splits_output(tmp_path):
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
+    r = convert_checkpoint(src, tmp_path / "out", shard_size=500_000, progress=False)
+    assert len(r.manifest["shards"]) > 3
+    for f, info in r.manifest["shards"].items():
+        assert info["size"] == (tmp_path / "out" / f).stat().st_size
+        assert info["size"] <= 500_000 or len(info["tensors"]) == 1
+
+
+def test_conversion_is_deterministic(tmp_path):
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant="modelopt")
+    a = convert_checkpoint(src, tmp_path / "a", progress=False).manifest["shards"]
+    b = convert_checkpoint(src, tmp_path / "b", progress=False).manifest["shards"]
+    assert {k: v["sha256"] for k, v in a.items()} == {k: v["sha256"] for k, v in b.items()}
+
+
+def _add_tensor(root: Path, name: str, tensor: torch.Tensor) -> None:
+    index_path = root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    tensors = load_file(str(root / shard))
+    tensors[name] = tensor
+    save_file(tensors, str(root / shard), metadata={"format": "pt"})
+    index["weight_map"][name] = shard
+    index_path.write_text(json.dumps(index))
+
+
+def _remove_tensors(root: Path, names: list[str]) -> None:
+    index_path = root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for shard in {index["weight_map"][n] for n in names}:
+        tensors = {k: v for k, v in load_file(str(root / shard)).items() if k not in names}
+        save_file(tensors, str(root / shard), metadata={"format": "pt"})
+    for n in names:
+        del index["weight_map"][n]
+    index_path.write_text(json.dumps(index))
+
+
+def _assert_nothing_written(out: Path) -> None:
+    assert not (out / "model.safetensors.index.json").exists()
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_unknown_tensor_is_refused_before_writing(tmp_path):
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
+    _add_tensor(src, "layers.0.attn.mystery_proj.weight", torch.randn(4, 4))
+    _add_tensor(src, "layers.1.ffn.experts.0.w1.bias", torch.randn(4))
+    with pytest.raises(PlanError) as info:
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    msg = str(info.value)
+    assert "layers.0.attn.mystery_proj.weight" in msg and "layers.1.ffn.experts.0.w1.bias" in msg
+    assert "model-00001-of-" in msg  # the file is named
+    _assert_nothing_written(tmp_path / "out")
+    result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out2")])
+    assert result.exit_code != 0 and "mystery_proj" in result.output
+    _assert_nothing_written(tmp_path / "out2")
+
+
+def test_missing_siblings_and_experts_are_all_listed(tmp_path):
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
+    _remove_tensors(src, ["layers.0.ffn.experts.1.w1.scale",          # weight without scale
+                          "layers.1.ffn.experts.2.w3.weight", "layers.1.ffn.experts.2.w3.scale",  # w1 without w3
+                          "layers.0.attn.wq_a.scale"])                 # dense weight without scale
+    with pytest.raises(PlanError) as info:
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    msg = str(info.value)
+    for expected in ("layers.0.ffn.experts.1.w1.weight", "layers.0.attn.wq_a.weight"):
+        assert expected in msg
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_layer_without_experts_is_refused(tmp_path):
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    _remove_tensors(src, [n for n in index["weight_map"] if n.startswith("layers.2.ffn.experts.")])
+    with pytest.raises(PlanError, match=r"layers\.2\.ffn\.experts"):
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    _assert_nothing_written(tmp_path / "out")
+
+
+def test_missing_expert_is_refused(tmp_path):
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    _remove_tensors(src, [n for n in index["weight_map"] if n.startswith("layers.1.ffn.experts.3.")])
+    with pytest.raises(PlanError, match=r"layers\.1\.ffn\.experts\.3\.w1\.weight"):
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+
+
+def test_dry_run_prints_plan_and_writes_nothing(tmp_path):
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant="modelopt")
+    result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "routed.nvfp4.weight" in result.output and "routed.mxfp4.weight" in result.output
+    assert "shard     1" in result.output and "nothing written" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_conversion_is_not_overwritten(tmp_path):
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
+    convert_checkpoint(src, tmp_path / "out", progress=False)
+    before = (tmp_path / "out" / "nvfp4_manifest.json").read_bytes()
+    with pytest.raises(OutputError, match="already holds a conversion"):
+        convert_checkpoint(src, tmp_path / "out", progress=False)
+    assert (tmp_path / "out" / "nvfp4_manifest.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("variant,words", [("flash", "official"), ("base", "Base"), ("modelopt", "ModelOpt")])
+def test_inspect_detects_variant(tmp_path, variant, words):
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant=variant)
+    assert words in inspect_checkpoint(src)["variant"]
+    result = CliRunner().invoke(main, ["inspect", str(src)])
+    assert result.exit_code == 0 and words in result.output
+
+
+def test_demo_runs(tmp_path):
+    result = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path / "demo")])
+    assert result.exit_code == 0, result.output
+    assert "bit-exact" in result.output and (tmp_path / "demo" / "converted" / "nvfp4_manifest.json").is_file()
