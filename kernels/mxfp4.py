@@ -49,9 +49,14 @@ class CastResult:
 
 
 def _nonzero_blocks(packed: torch.Tensor) -> torch.Tensor:
-    # A nibble is a zero value when its magnitude bits are 0 (+0 or -0).
-    codes = unpack_nibbles(packed)
-    return ((codes & 0x7) != 0).reshape(*codes.shape[:-1], -1, MX_BLOCK).any(dim=-1)
+    """[..., K/2] packed -> bool [..., K/32]: does the 32-block hold a non-zero value?
+
+    A code is zero when its magnitude bits are 0 (+0 or -0), so a block's 16 bytes masked with
+    0x77 are all zero exactly for a zero block; they are read as two 64-bit words.
+    """
+    masked = (packed.view(torch.uint8) & 0x77).contiguous()
+    words = masked.view(torch.int64).reshape(*masked.shape[:-1], -1, 2)
+    return (words[..., 0] | words[..., 1]) != 0
 
 
 def shared_exponent(packed: list[torch.Tensor], scales: list[torch.Tensor]) -> int:
