@@ -1,11 +1,26 @@
-"""``convert_checkpoint``: the converter's Python entry point (the CLI is a thin layer over it)."""
+"""``convert_checkpoint``: the converter's Python entry point (the CLI is a thin layer over it).
+
+A run: open the source (a folder, or a Hub repo pinned to one commit), make the plan from
+headers alone, prepare the output folder (or, with ``resume``, check that the unfinished run
+there is this run and keep its verified shards), then execute the plan:
+
+* units run on a thread pool (``workers``); each writes its own byte ranges at offsets fixed by
+  the plan, so the bytes do not depend on the number of threads or the order units finish in;
+* source shards are fetched in the order units first need them (:class:`Stager`), at most a few
+  ahead when the source is not kept, and released when their last unit is done;
+* every source file is hashed once, in a background thread, as soon as it is available (for a
+  Hub download the hash is checked against the LFS sha256 the Hub published);
+* each finished output shard is fsynced, renamed, hashed, and recorded in the progress journal
+  (``resume.py``); the index, written last, marks the folder complete.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -15,10 +30,14 @@ from tqdm.auto import tqdm
 from nvfp4_megamoe import __version__
 from nvfp4_megamoe.runtime.format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE
 
-from .errors import OutputError
+from .errors import ConvertError, OutputError, SourceError
+from .hub import HubSource, looks_like_repo_id
 from .plan import DEFAULT_SHARD_SIZE, Options, Plan, make_plan
+from .resume import JOURNAL_FILE, Journal, identity_differences, restore_unit, unit_results, write_atomic
 from .source import LocalSource
 from .writer import ShardWriter, sha256_file
+
+__all__ = ["ConvertResult", "convert_checkpoint", "open_source", "write_atomic", "DEFAULT_WORKERS"]
 
 TARGET = {
     "layout": "blackwell-k-major",
@@ -27,6 +46,12 @@ TARGET = {
     "global_scale": "float32 alpha, value = e2m1 * e4m3 * alpha",
     "gate_up_interleave": 8,
 }
+STAGING_DIR = ".nvfp4_source"
+DEFAULT_WORKERS = 2
+# Source shards held on disk at once when the source is not kept (beyond those in use).
+STAGED_AHEAD = 2
+
+Source = LocalSource | HubSource
 
 
 @dataclass
@@ -36,38 +61,252 @@ class ConvertResult:
     out: Path
     plan: Plan
     manifest: dict
+    skipped_shards: int = 0
 
 
-def open_source(source: str | os.PathLike) -> LocalSource:
-    """A source from a local folder path."""
-    return LocalSource(source)
+def open_source(source: str | os.PathLike, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None,
+                staging_dir: str | os.PathLike | None = None, progress: bool = False) -> Source:
+    """A local checkpoint folder, or a Hub repository id (``owner/name``) at ``revision``."""
+    text = os.fspath(source)
+    if looks_like_repo_id(text):
+        return HubSource(text, revision, cache_dir=cache_dir, staging_dir=staging_dir, progress=progress)
+    if revision is not None:
+        raise SourceError(f"{text}: --revision applies to Hub repositories (owner/name), and this is a local path")
+    return LocalSource(text)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file, fsync and rename (never a half-written file)."""
-    tmp = path.with_name(f".{path.name}.partial")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+# ---------------------------------------------------------------------------------------- output folder
 
 
-def prepare_output(out: Path, source_root: Path | None) -> None:
-    """Create ``out``; refuse a folder that holds another conversion or anything else."""
-    if source_root is not None and out.resolve() == source_root.resolve():
+@dataclass
+class Prepared:
+    journal: Journal
+    done: dict[str, tuple[int, str]]
+    complete: dict | None = None  # the existing manifest when a resumed folder is already finished
+
+
+def _manifest_of(out: Path) -> dict | None:
+    try:
+        return json.loads((out / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def prepare_output(out: Path, src: Source, plan: Plan, resume: bool) -> Prepared:
+    """Create ``out``, or check the unfinished run in it (``resume``); refuse anything else."""
+    if isinstance(src, LocalSource) and out.resolve() == src.root.resolve():
         raise OutputError(f"{out}: the output folder is the source folder; choose another (the source is never modified)")
-    if out.exists():
-        if not out.is_dir():
-            raise OutputError(f"{out}: exists and is not a folder")
-        if (out / MANIFEST_FILE).exists() or (out / INDEX_FILE).exists():
-            raise OutputError(f"{out}: already holds a conversion. Choose another folder, or remove it first.")
-        if any(out.iterdir()):
-            raise OutputError(f"{out}: is not empty; refusing to mix a conversion with other files. Choose an empty folder.")
-    out.mkdir(parents=True, exist_ok=True)
+    identity = Journal.identity_for(src.record(), {f: src.stamp(f) for f in src.files}, plan)
+    journal = Journal(out, identity)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a folder")
+    if (out / INDEX_FILE).exists():
+        old = _manifest_of(out)
+        same = (old is not None and old.get("options_sha256") == plan.options.digest()
+                and {k: v for k, v in old.get("source", {}).items() if k != "files"} == src.record())
+        if resume and same:
+            return Prepared(journal, {}, complete=old)
+        what = "the same source and options" if same else "a different conversion (other source or options)"
+        raise OutputError(f"{out}: already holds a finished conversion of {what}. Choose another folder, or remove "
+                          "it first" + (" (or pass --resume to accept it as done)." if same else "."))
+    data = Journal.load(out) if out.is_dir() else None
+    if data is None:
+        if out.exists() and any(out.iterdir()):
+            if (out / MANIFEST_FILE).exists():
+                raise OutputError(f"{out}: already holds a conversion manifest. Choose another folder, or remove it first.")
+            hint = " (there is no progress journal, so there is nothing to resume)" if resume else ""
+            raise OutputError(f"{out}: is not empty{hint}; refusing to mix a conversion with other files. "
+                              "Choose an empty folder.")
+        out.mkdir(parents=True, exist_ok=True)
+        journal.save()
+        return Prepared(journal, {})
+    if not resume:
+        raise OutputError(f"{out}: holds an unfinished conversion ({JOURNAL_FILE}). Run again with --resume to finish "
+                          "it, or choose an empty folder.")
+    reasons = identity_differences(data["identity"], identity)
+    if reasons:
+        raise OutputError(f"{out}: --resume refused: the unfinished conversion there is not this run: "
+                          + "; ".join(reasons) + ". Remove the folder (or choose another) to convert from scratch.")
+    recorded = data.get("shards", {})
+    names = list(recorded)
+    with ThreadPoolExecutor(2, thread_name_prefix="verify") as pool:
+        actual = list(pool.map(lambda n: _shard_state(out / n, recorded[n]["size"]), names))
+    done = {}
+    for name, sha in zip(names, actual):
+        if sha is not None and sha == recorded[name]["sha256"]:
+            done[name] = (recorded[name]["size"], sha)
+        else:
+            (out / name).unlink(missing_ok=True)
+    for p in out.glob(".*.partial"):
+        p.unlink()
+    journal.shards = {n: {"size": s, "sha256": h} for n, (s, h) in done.items()}
+    journal.units = dict(data.get("units", {}))
+    journal.source_sha256 = dict(data.get("source_sha256", {}))
+    journal.save()
+    return Prepared(journal, done)
 
 
-def build_manifest(src: LocalSource, plan: Plan, writer: ShardWriter, source_hashes: dict) -> dict:
+def _shard_state(path: Path, size: int) -> str | None:
+    try:
+        if path.stat().st_size != size:
+            return None
+    except OSError:
+        return None
+    return sha256_file(path)
+
+
+# ---------------------------------------------------------------------------------------- source staging
+
+
+class Stager:
+    """Fetches the source files units need, in order of first use, and releases them after their last use.
+
+    ``needs[i]`` lists the files unit ``i`` (in run order) reads. Downloads run ahead of the
+    conversion; when ``ahead`` is set, at most that many fetched files wait beyond the ones the
+    earliest unfinished unit needs (so disk use stays at a few shards).
+    """
+
+    def __init__(self, src: Source, needs: list[list[str]], *, ahead: int | None, threads: int,
+                 on_fetched: Callable[[str], None], before_release: Callable[[str], None]):
+        self.src, self.needs, self.ahead = src, needs, ahead
+        self.on_fetched, self.before_release = on_fetched, before_release
+        self.first_use: dict[str, int] = {}
+        self.users: dict[str, int] = {}
+        for i, files in enumerate(needs):
+            for f in files:
+                self.first_use.setdefault(f, i)
+                self.users[f] = self.users.get(f, 0) + 1
+        self.order = sorted(self.first_use, key=lambda f: (self.first_use[f], f))
+        self.cond = threading.Condition()
+        self.ready: set[str] = set()
+        self.resident = 0
+        self.next_file = 0
+        self.finished = [False] * len(needs)
+        self.frontier = 0  # earliest unfinished unit
+        self.error: BaseException | None = None
+        self.stopped = False
+        self.threads = [threading.Thread(target=self._download_loop, name=f"fetch-{k}", daemon=True)
+                        for k in range(min(threads, len(self.order)))]
+        for t in self.threads:
+            t.start()
+
+    def _download_loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.stopped and self.next_file < len(self.order):
+                    f = self.order[self.next_file]
+                    if self.ahead is None or self.resident < self.ahead or self.first_use[f] <= self.frontier:
+                        break
+                    self.cond.wait()
+                if self.stopped or self.next_file >= len(self.order):
+                    return
+                self.next_file += 1
+                self.resident += 1
+            try:
+                self.src.fetch(f)
+                self.on_fetched(f)
+            except BaseException as exc:  # noqa: BLE001 - handed to the converting thread
+                with self.cond:
+                    self.error = self.error or exc
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                self.ready.add(f)
+                self.cond.notify_all()
+
+    def wait(self, i: int) -> None:
+        """Block until unit ``i``'s files are all fetched."""
+        with self.cond:
+            while not all(f in self.ready for f in self.needs[i]):
+                if self.error is not None:
+                    raise self.error
+                self.cond.wait()
+
+    def done(self, i: int) -> None:
+        """Unit ``i`` finished: release files no later unit needs."""
+        release = []
+        with self.cond:
+            self.finished[i] = True
+            while self.frontier < len(self.finished) and self.finished[self.frontier]:
+                self.frontier += 1
+            for f in self.needs[i]:
+                self.users[f] -= 1
+                if self.users[f] == 0:
+                    release.append(f)
+            self.cond.notify_all()
+        for f in release:
+            self.before_release(f)
+            self.src.release(f)
+            with self.cond:
+                self.resident -= 1
+                self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+        for t in self.threads:
+            t.join()
+
+
+# ---------------------------------------------------------------------------------------- hashing
+
+
+class SourceHashes:
+    """sha256 of every source file: computed in the background (local), or the Hub's LFS sha256 checked
+    against the downloaded bytes. Reused from the journal on resume for unchanged local files."""
+
+    def __init__(self, src: Source, journal: Journal, pool: ThreadPoolExecutor):
+        self.src, self.journal, self.pool = src, journal, pool
+        self.futures: dict[str, Future] = {}
+        self.lock = threading.Lock()
+
+    def start(self, file: str) -> None:
+        with self.lock:
+            if file in self.futures:
+                return
+            known = self.src.known_sha256(file)
+            if known is None and file in self.journal.source_sha256 and isinstance(self.src, LocalSource):
+                self.futures[file] = _value(self.journal.source_sha256[file])
+                return
+            path = self.src.file_path(file)
+            self.futures[file] = self.pool.submit(self._hash, file, path, known)
+
+    def _hash(self, file: str, path: Path, known: str | None) -> str:
+        sha = sha256_file(path)
+        if known is not None and sha != known:
+            raise SourceError(f"{self.src.description}/{file}: the downloaded file's sha256 is {sha}, but the Hub "
+                              f"published {known}; the download is corrupt. Nothing was finished; run again "
+                              "(with --resume) to download it again.")
+        self.journal.add_source_hash(file, sha)
+        return sha
+
+    def wait(self, file: str) -> None:
+        f = self.futures.get(file)
+        if f is not None:
+            f.result()
+
+    def result(self) -> dict:
+        out = {}
+        for file in self.src.files:
+            f = self.futures.get(file)
+            sha = f.result() if f is not None else self.src.known_sha256(file) or self.journal.source_sha256.get(file)
+            if sha is None:  # a local file no remaining unit needed and no journal entry: hash it now
+                sha = sha256_file(self.src.file_path(file))
+            out[file] = {"size": self.src.file_size(file), "sha256": sha}
+        return out
+
+
+def _value(v) -> Future:
+    f: Future = Future()
+    f.set_result(v)
+    return f
+
+
+# ---------------------------------------------------------------------------------------- manifest
+
+
+def build_manifest(src: Source, plan: Plan, writer: ShardWriter, source_files: dict) -> dict:
     shards = {}
     for name, shard in zip(writer.names, plan.shards):
         shards[name] = {"size": writer.sizes[name], "sha256": writer.hashes[name].result(),
@@ -83,9 +322,7 @@ def build_manifest(src: LocalSource, plan: Plan, writer: ShardWriter, source_has
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "converter_version": __version__,
-        "source": {"kind": "local", "path": str(src.root.resolve()),
-                   "files": {f: {"size": os.path.getsize(src.file_path(f)), "sha256": h.result()}
-                             for f, h in source_hashes.items()}},
+        "source": {**src.record(), "files": source_files},
         "options": plan.options.as_dict(),
         "options_sha256": plan.options.digest(),
         "target": TARGET,
@@ -95,44 +332,121 @@ def build_manifest(src: LocalSource, plan: Plan, writer: ShardWriter, source_has
     }
 
 
+# ---------------------------------------------------------------------------------------- the run
+
+
+def _unit_error(unit, exc: Exception) -> ConvertError:
+    return SourceError(f"while converting {unit.key} (from {', '.join(unit.sources[:4])}"
+                       f"{', ...' if len(unit.sources) > 4 else ''}): {exc}. The conversion stopped and left no "
+                       "complete output.")
+
+
+def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int, keep_source: bool,
+             progress: bool) -> tuple[ShardWriter, dict, int]:
+    journal = prep.journal
+    # Two hashing threads: one for source files (ahead of the conversion, which it also warms the page
+    # cache for), one for finished output shards (so the journal follows the conversion closely).
+    hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-out")
+    source_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-src")
+    hashes = SourceHashes(src, journal, source_pool)
+
+    def shard_finished(name: str, size: int, future: Future) -> None:
+        future.add_done_callback(lambda f: f.exception() is None and journal.add_shard(name, size, f.result()))
+
+    writer = ShardWriter(out, plan.shards, hash_pool, done=prep.done, on_finish=shard_finished)
+    run: list = []
+    for unit in plan.units:
+        if all(writer.is_done(o.name) for o in unit.outputs) and unit.key in journal.units:
+            restore_unit(unit, journal.units[unit.key])
+        else:
+            run.append(unit)
+    needs = [sorted({src.tensors[n].file for n in u.sources}) for u in run]
+    todo = sum(o.nbytes for u in run for o in u.outputs)
+    bar = tqdm(total=todo, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress,
+               smoothing=0.1)
+    stager = Stager(src, needs, ahead=None if keep_source else STAGED_AHEAD, threads=2,
+                    on_fetched=hashes.start, before_release=hashes.wait)
+    errors: list[tuple[int, BaseException]] = []
+    slots = threading.Semaphore(max(1, workers) * 2)
+
+    def run_one(i: int, unit) -> None:
+        try:
+            try:
+                unit.run(src, writer, bar.update)
+            except ValueError as exc:
+                raise _unit_error(unit, exc) from None
+            journal.add_unit(unit.key, unit_results(unit))
+            writer.written([o.name for o in unit.outputs])
+            stager.done(i)
+        except BaseException as exc:  # noqa: BLE001 - collected, re-raised in unit order
+            errors.append((i, exc))
+        finally:
+            slots.release()
+
+    pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="convert")
+    try:
+        for i, unit in enumerate(run):
+            if errors:
+                break
+            stager.wait(i)
+            slots.acquire()
+            pool.submit(run_one, i, unit)
+        pool.shutdown(wait=True)
+        if errors:
+            raise min(errors, key=lambda e: e[0])[1]
+        source_files = hashes.result()
+        for name in writer.names:
+            writer.hashes[name].result()
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        writer.abort()
+        raise
+    finally:
+        stager.stop()
+        bar.close()
+        source_pool.shutdown(wait=True, cancel_futures=True)
+        hash_pool.shutdown(wait=True)
+    return writer, source_files, len(prep.done)
+
+
 def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, dense: str = "nvfp4",
-                       shard_size: int = DEFAULT_SHARD_SIZE, dry_run: bool = False,
-                       progress: bool = True, on_plan: Callable[[Plan], None] | None = None) -> ConvertResult:
-    """Convert a DeepSeek-V4 checkpoint folder to format 1 in ``out``.
+                       shard_size: int = DEFAULT_SHARD_SIZE, dry_run: bool = False, progress: bool = True,
+                       on_plan: Callable[[Plan], None] | None = None, revision: str | None = None,
+                       resume: bool = False, keep_source: bool = True, workers: int = DEFAULT_WORKERS,
+                       cache_dir: str | os.PathLike | None = None) -> ConvertResult:
+    """Convert a DeepSeek-V4 checkpoint (a folder, or a Hub repo id ``owner/name``) to format 1 in ``out``.
 
     Everything is validated (headers, index, rule matching, siblings, shapes) before the output
-    folder is created. Raises :class:`~nvfp4_megamoe.convert.errors.ConvertError` subclasses
-    with messages that name the tensor or file. With ``dry_run`` only the plan is made.
+    folder is created; tensor values (NaN/Inf, NaN scale bytes) are checked as they are read.
+    ``resume`` continues an interrupted run in ``out`` (refusing one made from another source or
+    options); ``keep_source=False`` deletes each downloaded Hub shard once converted; ``workers``
+    threads convert units in parallel (the bytes written do not depend on it). Raises
+    :class:`~nvfp4_megamoe.convert.errors.ConvertError` subclasses whose messages name the tensor
+    or file. With ``dry_run`` only the plan is made (no shard is downloaded).
     """
-    src = open_source(source)
     out = Path(out)
+    src = open_source(source, revision=revision, cache_dir=cache_dir, staging_dir=out / STAGING_DIR,
+                      progress=progress)
     try:
         plan = make_plan(src, Options(dense=dense, shard_size=shard_size))
         if on_plan is not None:
             on_plan(plan)
         if dry_run:
             return ConvertResult(out, plan, {})
-        prepare_output(out, getattr(src, "root", None))
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256") as pool:
-            source_hashes = {f: pool.submit(sha256_file, src.file_path(f)) for f in src.files}
-            writer = ShardWriter(out, plan.shards, pool)
-            bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="convert", disable=not progress)
-            try:
-                for unit in plan.units:
-                    unit.run(src, writer, bar.update)
-                    writer.written([o.name for o in unit.outputs])
-            except BaseException:
-                writer.abort()
-                raise
-            finally:
-                bar.close()
-            for name in src.extra_files():
-                shutil.copyfile(src.file_path(name), out / name)
-            manifest = build_manifest(src, plan, writer, source_hashes)
+        prep = prepare_output(out, src, plan, resume)
+        if prep.complete is not None:
+            return ConvertResult(out, plan, prep.complete, skipped_shards=len(plan.shards))
+        writer, source_files, skipped = _execute(src, plan, out, prep, workers=workers, keep_source=keep_source,
+                                                 progress=progress)
+        for name in src.extra_files():
+            shutil.copyfile(src.extra_file_path(name), out / name)
+        manifest = build_manifest(src, plan, writer, source_files)
         write_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
         index = {"metadata": {"total_size": plan.total_bytes},
                  "weight_map": {o.name: writer.names[writer.where[o.name][0]] for o in plan.outputs}}
         write_atomic(out / INDEX_FILE, json.dumps(index, indent=2).encode())
-        return ConvertResult(out, plan, manifest)
+        prep.journal.remove()
+        shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
+        return ConvertResult(out, plan, manifest, skipped_shards=skipped)
     finally:
         src.close()

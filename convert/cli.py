@@ -71,18 +71,30 @@ def main() -> None:
               help="Largest output shard (a single larger tensor gets its own shard).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
-def convert(source: str, out: Path, dense: str, shard_size: int, dry_run: bool, progress: bool) -> None:
-    """Convert the checkpoint in SOURCE (a folder) into OUT."""
+@click.option("--revision", default=None, help="Hub sources: branch, tag or commit (resolved once to a commit).")
+@click.option("--resume", is_flag=True,
+              help="Continue an interrupted conversion in OUT (refused if the source or options differ).")
+@click.option("--keep-source/--no-keep-source", default=True, show_default=True,
+              help="Hub sources: keep downloaded shards in the HF cache, or stage them in OUT and delete each "
+                   "once converted (disk holds a few shards).")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 64),
+              help="Threads converting units in parallel (the output bytes do not depend on it).")
+def convert(source: str, out: Path, dense: str, shard_size: int, dry_run: bool, progress: bool, revision: str | None,
+            resume: bool, keep_source: bool, workers: int) -> None:
+    """Convert SOURCE (a checkpoint folder, or a Hub repo id owner/name) into OUT."""
     from .api import convert_checkpoint
 
     try:
         result = convert_checkpoint(source, out, dense=dense, shard_size=shard_size, dry_run=dry_run,
-                                    progress=progress, on_plan=lambda p: click.echo(format_plan(p)))
+                                    progress=progress, on_plan=lambda p: click.echo(format_plan(p)),
+                                    revision=revision, resume=resume, keep_source=keep_source, workers=workers)
     except ConvertError as exc:
         _fail(exc)
     if dry_run:
         click.echo("dry run: nothing written")
         return
+    if result.skipped_shards:
+        click.echo(f"resumed: {result.skipped_shards} of {len(result.plan.shards)} shards were already finished")
     tensors = result.manifest["tensors"]
     lossy = [(n, e["error"]["rel_fro"]) for n, e in tensors.items() if "error" in e and n.endswith(".weight")]
     click.echo(f"wrote {len(result.plan.shards)} shards, {len(tensors)} tensors, "

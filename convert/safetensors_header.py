@@ -64,8 +64,17 @@ def parse_header(raw: bytes, path: str, file_size: int) -> Header:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SourceError(f"{path}: the safetensors header is not valid JSON ({exc}); the file is corrupt, "
                           "download it again") from None
+    return header_from_object(obj, path, data_start, file_size)
+
+
+def header_from_object(obj: object, path: str, data_start: int, file_size: int) -> Header:
+    """Validate a decoded header (``{name: {dtype, shape, data_offsets}}``) whose data starts at ``data_start``.
+
+    Used directly for headers read through ``huggingface_hub`` (which hands back the decoded JSON).
+    """
     if not isinstance(obj, dict):
         raise SourceError(f"{path}: the safetensors header must be a JSON object")
+    obj = dict(obj)
     metadata = obj.pop("__metadata__", None) or {}
     tensors: dict[str, TensorInfo] = {}
     for name, entry in obj.items():

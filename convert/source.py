@@ -3,12 +3,26 @@
 A source is a folder laid out as on the Hub: ``config.json``, ``model.safetensors.index.json``
 (or a single ``model.safetensors``) and shards. :class:`LocalSource` reads one on disk; the Hub
 source (``hub.py``) has the same surface and fetches shards as the plan needs them.
+
+The surface the converter uses (both sources):
+
+* ``config``, ``tensors`` (name -> :class:`SourceTensor`), ``files`` (shard files, sorted),
+  ``headers`` (file -> validated header), ``description``;
+* ``record()``: what the manifest says about the source (kind, path or repo + commit);
+* ``file_size(f)``, ``known_sha256(f)`` (the Hub's LFS sha256, or None when it must be computed),
+  ``stamp(f)`` (what ``--resume`` compares to see that a local file did not change);
+* ``fetch(f)`` (make a shard readable: a no-op locally, a pinned download from the Hub) and
+  ``release(f)`` (a shard is no longer needed: the Hub source may delete its download);
+* ``read(name)`` / ``fd_and_range(name)``: tensor data, thread-safe. ``read`` refuses values a
+  checkpoint cannot hold (NaN/Inf floats, NaN E4M3 bytes, the E8M0 NaN byte 0xFF), naming the
+  tensor and its file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -67,21 +81,116 @@ def locate_tensors(weight_map: dict[str, str], headers: dict[str, Header], where
     return tensors
 
 
-class LocalSource:
+def read_json(path: Path, what: str) -> dict:
+    try:
+        obj = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SourceError(f"{path}: not valid JSON ({exc}); {what}") from None
+    if not isinstance(obj, dict):
+        raise SourceError(f"{path}: expected a JSON object; {what}")
+    return obj
+
+
+# Bytes that are NaN in each 8-bit float format (E4M3fn: S.1111.111; E8M0: 0xFF).
+def _bad_values(t: torch.Tensor, dtype: str) -> torch.Tensor | None:
+    """Boolean mask of values a checkpoint must not hold, or None for dtypes with no such values."""
+    if dtype == "F8_E8M0":
+        return t.view(torch.uint8) == 0xFF
+    if dtype == "F8_E4M3":
+        return (t.view(torch.uint8) & 0x7F) == 0x7F
+    if dtype == "F8_E5M2":
+        return (t.view(torch.uint8) & 0x7C) == 0x7C
+    if dtype in ("F64", "F32", "F16", "BF16"):
+        return ~torch.isfinite(t)
+    return None
+
+
+def check_values(name: str, file: str, dtype: str, t: torch.Tensor) -> None:
+    """Refuse NaN/Inf floats and NaN 8-bit float codes (found while converting), naming the tensor."""
+    bad = _bad_values(t, dtype)
+    if bad is None or not bool(bad.any()):
+        return
+    flat = bad.reshape(-1)
+    first = int(flat.nonzero()[0])
+    what = {"F8_E8M0": "E8M0 scale bytes 0xFF (NaN)", "F8_E4M3": "E4M3 NaN bytes (0x7F/0xFF)",
+            "F8_E5M2": "E5M2 Inf/NaN bytes"}.get(dtype, "NaN/Inf values")
+    raise SourceError(f"{file}: tensor {name!r} ({dtype} {list(t.shape)}) holds {int(flat.sum())} {what}, the first "
+                      f"at flat index {first}; expected finite values. The shard is corrupt (download or copy it "
+                      "again); the conversion stopped and left no complete output.")
+
+
+class FileReader:
+    """Tensor reads from local shard files, thread-safe (``pread`` on shared descriptors)."""
+
+    tensors: dict[str, SourceTensor]
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+
+    def file_path(self, file: str) -> Path:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _fd(self, file: str) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            with self._fd_lock:
+                fd = self._fds.get(file)
+                if fd is None:
+                    fd = self._fds[file] = os.open(self.file_path(file), os.O_RDONLY)
+        return fd
+
+    def _close_file(self, file: str) -> None:
+        with self._fd_lock:
+            fd = self._fds.pop(file, None)
+            if fd is not None:
+                os.close(fd)
+
+    def read_bytes(self, name: str) -> bytes:
+        """The raw bytes of one tensor."""
+        t = self.tensors[name]
+        data = os.pread(self._fd(t.file), t.info.nbytes, t.info.start)
+        if len(data) != t.info.nbytes:
+            raise SourceError(f"{t.file}: short read of tensor {name!r} ({len(data)} of {t.info.nbytes} bytes); "
+                              "the file changed or is truncated. Copy or download it again.")
+        return data
+
+    def read(self, name: str) -> torch.Tensor:
+        """One tensor, as its own dtype and shape, with its values checked."""
+        t = self.tensors[name]
+        tensor = tensor_from_bytes(self.read_bytes(name), t.info)
+        check_values(name, t.file, t.info.dtype, tensor)
+        return tensor
+
+    def fd_and_range(self, name: str) -> tuple[int, int, int]:
+        """(file descriptor, start offset, byte count) of a tensor, for zero-copy passthrough."""
+        t = self.tensors[name]
+        return self._fd(t.file), t.info.start, t.info.nbytes
+
+    def close(self) -> None:
+        with self._fd_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+class LocalSource(FileReader):
     """A checkpoint folder on local disk. All headers are read and validated on construction."""
 
+    kind = "local"
+
     def __init__(self, path: str | Path):
+        super().__init__()
         self.root = Path(path)
         if not self.root.is_dir():
             raise SourceError(f"{self.root}: no such folder. Give a checkpoint folder or a Hub repo id (owner/name).")
-        self.config = self._read_config()
+        config_path = self.root / "config.json"
+        if not config_path.is_file():
+            raise SourceError(f"{self.root}: no config.json; a DeepSeek-V4 checkpoint folder has one")
+        self.config = read_json(config_path, "a DeepSeek-V4 checkpoint's config.json is a JSON object")
         index_path = self.root / INDEX_FILE
         if index_path.is_file():
-            try:
-                index = json.loads(index_path.read_text())
-            except json.JSONDecodeError as exc:
-                raise SourceError(f"{index_path}: not valid JSON ({exc})") from None
-            weight_map = weight_map_from_index(index, str(index_path))
+            weight_map = weight_map_from_index(read_json(index_path, "the safetensors index is corrupt"), str(index_path))
         elif (self.root / SINGLE_FILE).is_file():
             weight_map = {n: SINGLE_FILE for n in read_header(self.root / SINGLE_FILE).tensors}
         else:
@@ -93,52 +202,36 @@ class LocalSource:
                               "Download them again (a checkpoint with missing shards would silently lose tensors).")
         self.headers = {f: read_header(self.root / f) for f in self.files}
         self.tensors = locate_tensors(weight_map, self.headers, str(index_path))
-        self._fds: dict[str, int] = {}
 
     description = property(lambda self: str(self.root))
 
-    def _read_config(self) -> dict:
-        path = self.root / "config.json"
-        if not path.is_file():
-            raise SourceError(f"{self.root}: no config.json; a DeepSeek-V4 checkpoint folder has one")
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise SourceError(f"{path}: not valid JSON ({exc})") from None
+    def record(self) -> dict:
+        return {"kind": "local", "path": str(self.root.resolve())}
 
     def file_path(self, file: str) -> Path:
         """Local path of a source file (relative name as in the index)."""
         return self.root / file
+
+    def file_size(self, file: str) -> int:
+        return self.headers[file].file_size
+
+    def known_sha256(self, file: str) -> str | None:
+        return None
+
+    def stamp(self, file: str) -> dict:
+        st = os.stat(self.file_path(file))
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+    def fetch(self, file: str) -> None:
+        """Local files are always there (and were validated on construction)."""
+
+    def release(self, file: str) -> None:
+        """Local files are never removed."""
 
     def extra_files(self) -> list[str]:
         """Non-tensor files present in the folder (config, tokenizer, ...)."""
         return sorted(p.name for p in self.root.iterdir() if p.is_file() and not p.name.endswith(".safetensors")
                       and p.name != INDEX_FILE)
 
-    def _fd(self, file: str) -> int:
-        fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = os.open(self.file_path(file), os.O_RDONLY)
-        return fd
-
-    def read_bytes(self, name: str) -> bytes:
-        """The raw bytes of one tensor."""
-        t = self.tensors[name]
-        data = os.pread(self._fd(t.file), t.info.nbytes, t.info.start)
-        if len(data) != t.info.nbytes:
-            raise SourceError(f"{t.file}: short read of tensor {name!r}; the file changed or is truncated")
-        return data
-
-    def read(self, name: str) -> torch.Tensor:
-        """One tensor, as its own dtype and shape."""
-        return tensor_from_bytes(self.read_bytes(name), self.tensors[name].info)
-
-    def fd_and_range(self, name: str) -> tuple[int, int, int]:
-        """(file descriptor, start offset, byte count) of a tensor, for zero-copy passthrough."""
-        t = self.tensors[name]
-        return self._fd(t.file), t.info.start, t.info.nbytes
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+    def extra_file_path(self, name: str) -> Path:
+        return self.root / name

@@ -11,8 +11,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -34,6 +36,20 @@ def sha256_file(path: str | Path, chunk: int = 16 * 1024 * 1024) -> str:
     return h.hexdigest()
 
 
+def fsync_dir(path: Path) -> None:
+    """Make renames inside ``path`` durable (best effort where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _disk_error(exc: OSError, path: Path) -> OutputError:
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         return OutputError(f"{path}: cannot write: {exc.strerror}. Free space (or raise the file-size limit) for the "
@@ -51,9 +67,17 @@ def _pwrite_all(fd: int, data: memoryview, pos: int, path: Path) -> None:
 
 
 class ShardWriter:
-    """Writes the plan's shards into ``out``; call :meth:`written` as outputs complete."""
+    """Writes the plan's shards into ``out``; call :meth:`written` as outputs complete.
 
-    def __init__(self, out: Path, shards: list[list[OutputSpec]], hash_pool: ThreadPoolExecutor):
+    Thread-safe: units running in parallel write disjoint byte ranges with ``pwrite``. Shards
+    named in ``done`` (finished by an earlier run, verified by ``--resume``) are not written
+    again: writes to them are dropped. ``on_finish(name, size, sha256_future)`` is called
+    when a shard has been fsynced and renamed to its final name.
+    """
+
+    def __init__(self, out: Path, shards: list[list[OutputSpec]], hash_pool: ThreadPoolExecutor,
+                 done: dict[str, tuple[int, str]] | None = None,
+                 on_finish: Callable[[str, int, Future], None] | None = None):
         self.out = out
         self.names = [shard_name(i + 1, len(shards)) for i in range(len(shards))]
         self.layout: list[tuple[bytes, int]] = []
@@ -70,11 +94,32 @@ class ShardWriter:
         self.hashes: dict[str, Future] = {}
         self.sizes: dict[str, int] = {}
         self.pool = hash_pool
+        self.on_finish = on_finish
+        self.lock = threading.Lock()
+        self.done_shards: set[int] = set()
+        for i, name in enumerate(self.names):
+            if done and name in done:
+                size, sha = done[name]
+                self.done_shards.add(i)
+                self.pending[i] = set()
+                self.sizes[name] = size
+                self.hashes[name] = _done_future(sha)
+
+    def is_done(self, name: str) -> bool:
+        """Whether output tensor ``name`` lies in a shard finished by an earlier run."""
+        return self.where[name][0] in self.done_shards
 
     def tmp_path(self, i: int) -> Path:
         return self.out / f".{self.names[i]}.partial"
 
     def _fd(self, i: int) -> int:
+        fd = self.fds.get(i)
+        if fd is not None:
+            return fd
+        with self.lock:
+            return self._open(i)
+
+    def _open(self, i: int) -> int:
         fd = self.fds.get(i)
         if fd is None:
             head, size = self.layout[i]
@@ -97,21 +142,27 @@ class ShardWriter:
             self.fds[i] = fd
         return fd
 
-    def _target(self, name: str, offset: int, count: int) -> tuple[int, int]:
+    def _target(self, name: str, offset: int, count: int) -> tuple[int, int] | None:
         i, base, nbytes = self.where[name]
         if offset < 0 or offset + count > nbytes:
             raise AssertionError(f"write of {count} bytes at {offset} overruns {name} ({nbytes} bytes)")
+        if i in self.done_shards:
+            return None
         return self._fd(i), base + offset
 
     def write(self, name: str, offset: int, data: torch.Tensor) -> None:
         """Write a tensor's bytes at ``offset`` bytes into output tensor ``name``."""
         raw = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        fd, pos = self._target(name, offset, raw.nbytes)
-        _pwrite_all(fd, memoryview(raw), pos, self.tmp_path(self.where[name][0]))
+        target = self._target(name, offset, raw.nbytes)
+        if target is not None:
+            _pwrite_all(target[0], memoryview(raw), target[1], self.tmp_path(self.where[name][0]))
 
     def copy(self, name: str, src_fd: int, start: int, count: int) -> None:
         """Copy ``count`` bytes of a source file into output tensor ``name`` (in-kernel where possible)."""
-        fd, pos = self._target(name, 0, count)
+        target = self._target(name, 0, count)
+        if target is None:
+            return
+        fd, pos = target
         path = self.tmp_path(self.where[name][0])
         done = 0
         try:
@@ -130,30 +181,49 @@ class ShardWriter:
 
     def written(self, names: list[str]) -> None:
         """Mark outputs complete; a shard whose outputs are all complete is fsynced and renamed."""
-        for name in names:
-            i = self.where[name][0]
-            self.pending[i].discard(name)
-            if not self.pending[i]:
-                self._finish(i)
+        finished = []
+        with self.lock:
+            for name in names:
+                i = self.where[name][0]
+                if i in self.done_shards or not self.pending[i]:
+                    continue
+                self.pending[i].discard(name)
+                if not self.pending[i]:
+                    finished.append(i)
+        for i in finished:
+            self._finish(i)
 
     def _finish(self, i: int) -> None:
-        fd = self._fd(i)
+        with self.lock:
+            fd = self._open(i)
         path = self.tmp_path(i)
         try:
             os.fsync(fd)
         except OSError as exc:
             raise _disk_error(exc, path) from None
         finally:
-            os.close(fd)
-            del self.fds[i]
-        final = self.out / self.names[i]
+            with self.lock:
+                os.close(fd)
+                del self.fds[i]
+        name = self.names[i]
+        final = self.out / name
         os.rename(path, final)
-        self.sizes[self.names[i]] = self.layout[i][1]
-        self.hashes[self.names[i]] = self.pool.submit(sha256_file, final)
+        fsync_dir(self.out)
+        self.sizes[name] = self.layout[i][1]
+        future = self.hashes[name] = self.pool.submit(sha256_file, final)
+        if self.on_finish is not None:
+            self.on_finish(name, self.sizes[name], future)
 
     def abort(self) -> None:
         """Close and remove unfinished temporary shards (finished ones stay for --resume)."""
-        for i, fd in list(self.fds.items()):
-            os.close(fd)
-            self.tmp_path(i).unlink(missing_ok=True)
-        self.fds.clear()
+        with self.lock:
+            for i, fd in list(self.fds.items()):
+                os.close(fd)
+                self.tmp_path(i).unlink(missing_ok=True)
+            self.fds.clear()
+
+
+def _done_future(value: str) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f

@@ -1,0 +1,136 @@
+"""The progress journal that makes ``--resume`` safe.
+
+An unfinished output folder holds ``.nvfp4_progress.json``, rewritten atomically (temporary
+file, fsync, rename) each time a shard is finished. It records what the run was (source
+identity and per-file size/sha256 or mtime, ``options_sha256``, the converter version and a
+digest of the output layout) and what it finished: each shard's size and sha256, and each
+completed unit's measured results (lossless flag, error statistics, notes) so that a resumed
+run writes the same manifest as an uninterrupted one.
+
+``--resume`` refuses a folder whose journal describes another run (different source commit or
+file hashes, different options, another layout), re-hashes every finished shard and redoes any
+that does not match. The journal is removed once the index (the completion marker) is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+from nvfp4_megamoe import __version__
+
+from .errors import OutputError
+from .plan import Plan
+from .writer import fsync_dir
+
+JOURNAL_FILE = ".nvfp4_progress.json"
+JOURNAL_VERSION = 1
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file, fsync and rename (never a half-written file)."""
+    tmp = path.with_name(f".{path.name}.partial")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def layout_digest(plan: Plan) -> str:
+    """Hash of the output layout: shard count and every tensor's name, dtype, shape, in order."""
+    h = hashlib.sha256()
+    for shard in plan.shards:
+        h.update(b"|shard|")
+        for o in shard:
+            h.update(f"{o.name}:{o.dtype}:{list(o.shape)};".encode())
+    return h.hexdigest()
+
+
+def unit_results(unit) -> dict:
+    """What running a unit measured, per output tensor (restored when a resumed run skips it)."""
+    return {o.name: {"lossless": o.lossless, "error": o.error, "notes": o.notes} for o in unit.outputs}
+
+
+def restore_unit(unit, results: dict) -> None:
+    for o in unit.outputs:
+        r = results[o.name]
+        o.lossless, o.error, o.notes = r["lossless"], r["error"], dict(r["notes"])
+
+
+class Journal:
+    """The run's identity and progress; thread-safe; saved atomically on every change that matters."""
+
+    def __init__(self, out: Path, identity: dict):
+        self.path = out / JOURNAL_FILE
+        self.identity = identity
+        self.shards: dict[str, dict] = {}
+        self.units: dict[str, dict] = {}
+        self.source_sha256: dict[str, str] = {}
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def identity_for(source_record: dict, source_files: dict, plan: Plan) -> dict:
+        return {"journal_version": JOURNAL_VERSION, "converter_version": __version__, "source": source_record,
+                "source_files": source_files, "options": plan.options.as_dict(),
+                "options_sha256": plan.options.digest(), "layout_sha256": layout_digest(plan)}
+
+    def save(self) -> None:
+        with self.lock:
+            data = {"identity": self.identity, "source_sha256": dict(sorted(self.source_sha256.items())),
+                    "shards": dict(sorted(self.shards.items())), "units": self.units}
+            write_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+
+    def add_unit(self, key: str, results: dict) -> None:
+        with self.lock:
+            self.units[key] = results
+
+    def add_shard(self, name: str, size: int, sha256: str) -> None:
+        with self.lock:
+            self.shards[name] = {"size": size, "sha256": sha256}
+        self.save()
+
+    def add_source_hash(self, file: str, sha256: str) -> None:
+        with self.lock:
+            self.source_sha256[file] = sha256
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, out: Path) -> dict | None:
+        path = out / JOURNAL_FILE
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("identity"), dict):
+                raise ValueError("not a journal object")
+            return data
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise OutputError(f"{path}: the progress journal is unreadable ({exc}); the folder cannot be resumed. "
+                              "Remove the folder (or choose another) and convert again.") from None
+
+
+def identity_differences(old: dict, new: dict) -> list[str]:
+    """Human-readable reasons why a journal's run is not this run (empty when it is)."""
+    reasons = []
+    if old.get("journal_version") != new["journal_version"] or old.get("converter_version") != new["converter_version"]:
+        reasons.append(f"converter version {old.get('converter_version')} (journal {old.get('journal_version')}) vs "
+                       f"{new['converter_version']} (journal {new['journal_version']})")
+    if old.get("source") != new["source"]:
+        reasons.append(f"source {old.get('source')} vs {new['source']}")
+    if old.get("options_sha256") != new["options_sha256"]:
+        reasons.append(f"options {old.get('options')} vs {new['options']} (options_sha256 differs)")
+    if old.get("layout_sha256") != new["layout_sha256"]:
+        reasons.append("the output layout (tensor names, shapes or shard split) differs")
+    old_files, new_files = old.get("source_files", {}), new["source_files"]
+    changed = sorted(f for f in set(old_files) | set(new_files) if old_files.get(f) != new_files.get(f))
+    if changed:
+        shown = ", ".join(f"{f} ({old_files.get(f)} vs {new_files.get(f)})" for f in changed[:5])
+        reasons.append(f"source files changed: {shown}" + (f" and {len(changed) - 5} more" if len(changed) > 5 else ""))
+    return reasons
