@@ -60,12 +60,17 @@ class Plan:
         return sum(o.nbytes for o in self.outputs)
 
 
-def classify(source: PlanSource) -> tuple[dict, Counter]:
-    """Match every tensor to exactly one rule; group them by unit key. Raises on any offender."""
+def classify(source: PlanSource, offenders: list[tuple[str, str, str]] | None = None) -> tuple[dict, Counter]:
+    """Match every tensor to exactly one rule; group them by unit key.
+
+    Tensors that match no rule or several are appended to ``offenders`` when it is given
+    (so the caller can report them with other problems), else raised as :class:`PlanError`.
+    """
+    collect = offenders is not None
+    offenders = offenders if collect else []
     dtype_of = {n: t.info.dtype for n, t in source.tensors.items()}
     groups: dict[tuple, dict] = defaultdict(lambda: {"fmt": set(), "members": {}})
     counts: Counter = Counter()
-    offenders = []
     for name, t in source.tensors.items():
         found = matching_rules(name, t.info.dtype, dtype_of)
         if len(found) != 1:
@@ -87,7 +92,7 @@ def classify(source: PlanSource) -> tuple[dict, Counter]:
             key, member = ("dense", m["unit"], None), (0, None, m["role"])
         groups[key]["fmt"].add(rule.fmt)
         groups[key]["members"][member] = name
-    if offenders:
+    if offenders and not collect:
         raise PlanError("source tensors that cannot be mapped", offenders)
     return groups, counts
 
@@ -172,8 +177,8 @@ def build_units(source: PlanSource, options: Options) -> tuple[list[Unit], Count
     """Rule-match, group and validate; returns units in source-file order."""
     if options.dense not in DENSE_MODES:
         raise ValueError(f"dense must be one of {DENSE_MODES}, got {options.dense!r}")
-    groups, counts = classify(source)
     offenders: list[tuple[str, str, str]] = []
+    groups, counts = classify(source, offenders)
     units: list[Unit] = []
     for key, group in groups.items():
         if key[0] == "passthrough" or (key[0] == "dense" and options.dense == "keep"):
@@ -191,7 +196,7 @@ def build_units(source: PlanSource, options: Options) -> tuple[list[Unit], Count
                 offenders.append((f"{layer}.ffn.experts.*.{'/'.join(FUSED_PARTS[fused])}", "-",
                                   "config.json declares this layer but the checkpoint has none of its routed experts"))
     if offenders:
-        raise PlanError("the source checkpoint is incomplete or inconsistent", offenders)
+        raise PlanError("source tensors that cannot be mapped, are missing or contradict config.json", offenders)
     order = {f: i for i, f in enumerate(source.files)}
     pos = lambda n: (order[source.tensors[n].file], source.tensors[n].info.start)  # noqa: E731
     units.sort(key=lambda u: min(pos(n) for n in u.sources))
