@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
@@ -105,6 +104,44 @@ def torch_bf16_layer(w13b, w2b, e, k):
     return run
 
 
+def quack_layer(w: dict, h: int, i: int, k: int):
+    """QuACK anchor: ``gemm_w4a16(wformat="nvfp4")`` looped over the active experts (plan made on the
+    host from the given routing, so the loop is static inside the captured graph), SwiGLU and the
+    weighted index_add in torch."""
+    from quack.gemm_w4 import gemm_w4a16, prepare_w4_weight
+
+    from nvfp4_megamoe.kernels.swizzle import unswizzle_block_scales
+    cache: dict[int, tuple] = {}
+
+    def prepared(e: int) -> tuple:
+        if e not in cache:
+            s13 = unswizzle_block_scales(w["w13_scale"][e], 2 * i, h // 16).contiguous()
+            s2 = unswizzle_block_scales(w["w2_scale"][e], h, i // 16).contiguous()
+            b13, f13 = prepare_w4_weight(w["w13"][e], s13, "nvfp4")
+            b2, f2 = prepare_w4_weight(w["w2"][e], s2, "nvfp4")
+            cache[e] = (b13, f13, float(w["w13_alpha"][e]), b2, f2, float(w["w2_alpha"][e]))
+        return cache[e]
+
+    def build(x, ids, wts, out):
+        flat = ids.reshape(-1)
+        plan = []
+        for e in torch.unique(flat).tolist():
+            sel = (flat == e).nonzero().squeeze(1)
+            plan.append((prepared(e), (sel // k).contiguous(), wts.reshape(-1)[sel].contiguous()))
+
+        def run():
+            out.zero_()
+            for (b13, f13, a13, b2, f2, a2), tok, wsel in plan:
+                y = gemm_w4a16(x.index_select(0, tok), b13, f13, tensor_scale=a13, wformat="nvfp4")
+                y = y.view(y.shape[0], -1, 2, 8).float()
+                gate, up = y[:, :, 0].reshape(y.shape[0], -1), y[:, :, 1].reshape(y.shape[0], -1)
+                hh = (torch.nn.functional.silu(gate.clamp(max=LIMIT)) * up.clamp(-LIMIT, LIMIT) * wsel[:, None])
+                o = gemm_w4a16(hh.to(torch.bfloat16).contiguous(), b2, f2, tensor_scale=a2, wformat="nvfp4")
+                out.index_add_(0, tok, o.float())
+        return run
+    return build
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
@@ -113,8 +150,9 @@ def main() -> None:
     ap.add_argument("--impls", default="ours,torch_bf16")
     ap.add_argument("--out", default="moe_bench.json")
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--variants", default="{}", help='JSON {"ours_name": {tuning kwargs}} of extra configurations of ours')
     args = ap.parse_args()
-    impls = args.impls.split(",")
+    base_impls = args.impls.split(",")
     tokens = [int(t) for t in args.tokens.split(",")]
     ceil = measure_ceilings()
     print(f"device {torch.cuda.get_device_name()}  copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s  "
@@ -122,12 +160,19 @@ def main() -> None:
     timer = ColdTimer()
     results = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "tokens": tokens, "models": {}}
     for model in args.models.split(","):
+        impls = list(base_impls)
         h, i, e, k = MODELS[model]
         gen = torch.Generator(device="cuda").manual_seed(0)
         w = random_moe_weights(e, h, i, generator=gen, device="cuda")
         per_expert = (w["w13"][0].numel() + w["w13_scale"][0].numel() + w["w2"][0].numel() + w["w2_scale"][0].numel())
         layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=max(tokens))
         w13b = w2b = None
+        quack = None
+        variants = {}
+        for name, tune in json.loads(args.variants).items():
+            variants[name] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT,
+                                          max_tokens=max(tokens), tuning=tune)
+            impls = [m for m in impls if m != name] + [name]
         if "torch_bf16" in impls:
             w13b = torch.stack([decode_weight(w["w13"][j], w["w13_scale"][j], w["w13_alpha"][j]).to(torch.bfloat16)
                                 for j in range(e)])
@@ -143,22 +188,32 @@ def main() -> None:
             floor_flops = 2 * t * k * (h * 2 * i + i * h) / ceil["bf16_flops_per_s"]
             row = {"T": t, "experts_touched": touched, "floor_us": max(floor_bytes, floor_flops) * 1e6,
                    "floor_bytes_us": floor_bytes * 1e6, "floor_flops_us": floor_flops * 1e6}
-            out = torch.empty(t, h, device="cuda")
+            outs = {}
             for impl in impls:
+                out = torch.full((t, h), float("nan"), device="cuda")
                 try:
-                    if impl == "ours":
-                        fn = lambda: layer(x, ids, wts, **w, out=out)  # noqa: E731
+                    if impl.startswith("ours"):
+                        lay = layer if impl == "ours" else variants[impl]
+                        fn = lambda: lay(x, ids, wts, **w, out=out)  # noqa: E731
                     elif impl == "torch_bf16":
                         run = torch_bf16_layer(w13b, w2b, e, k)
                         fn = lambda: run(x, ids, wts, out)  # noqa: E731
+                    elif impl == "quack":
+                        if quack is None:
+                            quack = quack_layer(w, h, i, k)
+                        fn = quack(x, ids, wts, out)
                     else:
                         continue
-                    t0 = time.time()
                     g = capture(fn)
                     row[impl + "_us"] = timer.time(g, args.reps)
+                    outs[impl] = out
                     del g
                 except Exception as exc:  # an anchor that cannot run is reported, not fatal
                     row[impl + "_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    print(f"  {impl}: {row[impl + '_error']}", flush=True)
+            if "ours" in outs:  # every implementation computes the same layer
+                for impl, o in outs.items():
+                    row[impl + "_relerr_vs_ours"] = float((o - outs["ours"]).norm() / outs["ours"].norm())
             rows.append(row)
             cells = "  ".join(f"{m}={row.get(m + '_us', float('nan')):8.1f}us ({row['floor_us'] / row[m + '_us']:.0%})"
                               if m + "_us" in row else f"{m}=ERR" for m in impls)

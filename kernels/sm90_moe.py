@@ -5,7 +5,8 @@ workspaces are sized once for ``max_tokens``, so the call is CUDA-graph capturab
 
 1. ``Sm90MoeRouting``: pairs (token, slot) sorted by expert -> ``token_of``, ``weight_of``, tiles;
 2. ``Sm90Nvfp4GroupedGemm(mode="swiglu")`` over ``w13``: ``h`` [pairs, I] BF16 in sorted order;
-3. ``out.zero_()`` then ``Sm90Nvfp4GroupedGemm(mode="scatter")`` over ``w2``: ``out[t] += w * (h @ W2.T)``.
+   (its CTAs also zero ``out``, so no memset launch);
+3. ``Sm90Nvfp4GroupedGemm(mode="scatter")`` over ``w2``: ``out[t] += w * (h @ W2.T)``.
 
 Weights are format 1 as written by ``convert`` (``docs/format.md``); the contract of each operand is
 in ``sm90_moe_gemm``. Compiled kernels are cached in-process by their static configuration (and on
@@ -82,13 +83,16 @@ class Sm90NvFp4MoE:
         swiglu_limit: clamp L of the SwiGLU (None: no clamp).
         max_tokens: the largest T a call may pass (workspaces are sized for it).
         device: CUDA device of the workspaces.
+        tuning: extra keyword arguments for both ``Sm90Nvfp4GroupedGemm`` (e.g. ``depth``, ``b_depth``).
     """
 
     def __init__(self, *, hidden: int, intermediate: int, experts: int, top_k: int,
-                 swiglu_limit: float | None, max_tokens: int, device: torch.device | str = "cuda"):
+                 swiglu_limit: float | None, max_tokens: int, device: torch.device | str = "cuda",
+                 tuning: dict | None = None):
         self.h, self.i, self.e, self.k = hidden, intermediate, experts, top_k
         self.limit = swiglu_limit
         self.max_tokens = max_tokens
+        self.tuning = dict(tuning or {})
         pairs = max_tokens * top_k
         dev = torch.device(device)
         self.token_of = torch.zeros(pairs, dtype=torch.int32, device=dev)
@@ -102,8 +106,9 @@ class Sm90NvFp4MoE:
         """The three kernel objects used for a token tile size."""
         return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
                 Sm90Nvfp4GroupedGemm(m=2 * self.i, k=self.h, mode="swiglu", tile_tokens=tile_tokens,
-                                     swiglu_limit=self.limit),
-                Sm90Nvfp4GroupedGemm(m=self.h, k=self.i, mode="scatter", tile_tokens=tile_tokens))
+                                     swiglu_limit=self.limit, **getattr(self, "tuning", {})),
+                Sm90Nvfp4GroupedGemm(m=self.h, k=self.i, mode="scatter", tile_tokens=tile_tokens,
+                                     **getattr(self, "tuning", {})))
 
     def check_weights(self, w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha) -> None:
         e, h, i = self.e, self.h, self.i
@@ -145,9 +150,8 @@ class Sm90NvFp4MoE:
         hbuf = self.hbuf[:pairs]
         _launch(routing, [topk_ids.reshape(-1), topk_weights.reshape(-1), token_of, weight_of, tiles,
                           self.num_tiles, rank])
-        _launch(l1, [w13, w13_scale, w13_alpha, x, token_of, weight_of, tiles, self.num_tiles, hbuf])
-        out.zero_()
-        _launch(l2, [w2, w2_scale, w2_alpha, hbuf, token_of, weight_of, tiles, self.num_tiles, out])
+        _launch(l1, [w13, w13_scale, w13_alpha, x, token_of, weight_of, tiles, self.num_tiles, hbuf, out])  # zeroes out
+        _launch(l2, [w2, w2_scale, w2_alpha, hbuf, token_of, weight_of, tiles, self.num_tiles, out, out])
         return out
 
 
@@ -172,5 +176,5 @@ def nvfp4_linear_sm90(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     op = Sm90Nvfp4GroupedGemm(m=n, k=k, mode="store", tile_tokens=bn, out_bf16=out.dtype == torch.bfloat16)
     dummy_i = torch.zeros(1, 3, dtype=torch.int32, device=x.device)
     _launch(op, [weight.view(1, n, half_k), weight_scale.reshape(1, -1), alpha.reshape(1), x,
-                 dummy_i[0, :1], alpha.reshape(1), dummy_i, dummy_i[0, :1], out])
+                 dummy_i[0, :1], alpha.reshape(1), dummy_i, dummy_i[0, :1], out, out])
     return out

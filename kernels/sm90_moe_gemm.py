@@ -57,11 +57,13 @@ class Sm90Nvfp4GroupedGemm:
         swiglu_limit: the clamp ``L`` of ``"swiglu"`` (None: no clamp).
         warps: warps per CTA; each owns ``16 * row_tiles`` weight rows.
         depth: k-tiles of weight loads kept in flight per thread.
+        b_depth: k-tiles of activation loads in flight (0: loaded when used; None: 2 for <= 16 tokens).
         out_bf16: ``"store"`` writes BF16 instead of float32.
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
-                 warps: int = 4, row_tiles: int = 1, depth: int = 4, out_bf16: bool = False):
+                 warps: int = 4, row_tiles: int = 1, depth: int = 4, b_depth: int | None = None,
+                 out_bf16: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -82,28 +84,41 @@ class Sm90Nvfp4GroupedGemm:
         self.scale_bytes = swizzled_nbytes(m, k // 16)  # per expert
         self.kb4 = math.ceil(k // 16 / 4)  # 512-byte scale atoms per 128 rows
         self.epi_scale = float(2 ** ptx.EPILOGUE_LOG2)
+        # activations ride the register pipeline too (two k-tiles ahead) when they are few
+        if b_depth is None:
+            b_depth = 2 if self.nb <= 2 else 0
+        if b_depth and self.depth % b_depth:
+            b_depth = 0
+        self.b_depth = b_depth
 
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
-                self.out_bf16)
+                self.b_depth, self.out_bf16)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
                  mTok: cute.Tensor, mRW: cute.Tensor, mTiles: cute.Tensor, mNumTiles: cute.Tensor,
-                 mOut: cute.Tensor, stream):
+                 mOut: cute.Tensor, mZero: cute.Tensor, stream):
         if const_expr(self.mode == "store"):
             n_tiles = (mX.shape[0] + self.bn - 1) // self.bn
         else:
             n_tiles = mTiles.shape[0]
-        self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut).launch(
+        self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
             grid=[self.m // self.bm, n_tiles, 1], block=[self.warps * 32, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
                mTok: cute.Tensor, mRW: cute.Tensor, mTiles: cute.Tensor, mNumTiles: cute.Tensor,
-               mOut: cute.Tensor):
+               mOut: cute.Tensor, mZero: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
+        if const_expr(self.mode == "swiglu"):
+            # zero the float32 output the L2 scatter accumulates into (saves a memset launch)
+            gx, gy, _ = cute.arch.grid_dim()
+            n16 = mZero.shape[0] * mZero.shape[1] // 4
+            zbase = mZero.iterator.toint()
+            for q in cutlass.range((by * gx + bx) * (self.warps * 32) + tidx, n16, gx * gy * (self.warps * 32), unroll=1):
+                ptx.st_global_v4_zero(zbase + Int64(q) * 16)
         warp = tidx // 32
         lane = tidx % 32
         g = lane // 4
@@ -162,19 +177,28 @@ class Sm90Nvfp4GroupedGemm:
         sbuf = cute.make_rmem_tensor((D, self.row_tiles, 2), Int32)
         acc = cute.make_rmem_tensor((self.row_tiles, self.nb, 4), Float32)
         acc.fill(0.0)
+        DB = self.b_depth
+        xbuf = cute.make_rmem_tensor((max(DB, 1), self.nb, 16), Int32)
         for d in cutlass.range_constexpr(D):
             self.load_a(wbuf, sbuf, a_addr, s_addr, d, Int32(d))
+        for d in cutlass.range_constexpr(DB):
+            self.load_b(xbuf, b_addr, d, Int32(d))
 
         for kto in cutlass.range(0, n_kt, D, unroll=1):
             for d in cutlass.range_constexpr(D):
                 kt = kto + d
-                # activations of this k-tile
+                # activations of this k-tile (from the pipeline, or loaded now when there are many)
                 xw = cute.make_rmem_tensor((self.nb, 16), Int32)
-                for nb in cutlass.range_constexpr(self.nb):
-                    for q in cutlass.range_constexpr(4):
-                        v = ptx.ld_global_v4_keep(b_addr[nb] + Int64(kt * 256 + q * 16))
-                        for i in cutlass.range_constexpr(4):
-                            xw[nb, q * 4 + i] = v[i]
+                if const_expr(DB > 0):
+                    for nb in cutlass.range_constexpr(self.nb):
+                        for i in cutlass.range_constexpr(16):
+                            xw[nb, i] = xbuf[d % DB, nb, i]
+                    nxb = kt + DB
+                    if nxb > n_kt - 1:
+                        nxb = n_kt - 1
+                    self.load_b(xbuf, b_addr, d % DB, nxb)
+                else:
+                    self.load_b(xw, b_addr, None, kt)
                 # take this stage's weights, refill the slot with k-tile kt + D (clamped: a re-read hits cache)
                 cw = cute.make_rmem_tensor((self.row_tiles, 2, 4), Int32)
                 cs = cute.make_rmem_tensor((self.row_tiles, 2), Int32)
@@ -200,6 +224,17 @@ class Sm90Nvfp4GroupedGemm:
                 for i in cutlass.range_constexpr(4):
                     wbuf[slot, mt, h, i] = v[i]
                 sbuf[slot, mt, h] = ptx.ld_global_u16(s_addr[mt, h] + Int64(kt * 1024))
+
+    @cute.jit
+    def load_b(self, xbuf: cute.Tensor, b_addr: cute.Tensor, slot: cutlass.Constexpr, kt: Int32):
+        for nb in cutlass.range_constexpr(self.nb):
+            for q in cutlass.range_constexpr(4):
+                v = ptx.ld_global_v4_keep(b_addr[nb] + Int64(kt * 256 + q * 16))
+                for i in cutlass.range_constexpr(4):
+                    if const_expr(slot is None):
+                        xbuf[nb, q * 4 + i] = v[i]
+                    else:
+                        xbuf[slot, nb, q * 4 + i] = v[i]
 
     @cute.jit
     def mma_ktile(self, cw: cute.Tensor, cs: cute.Tensor, xw: cute.Tensor, acc: cute.Tensor):
@@ -248,7 +283,7 @@ class Sm90Nvfp4GroupedGemm:
                                 lim = Float32(self.swiglu_limit)
                                 gate = cute.arch.fmin(gate, lim)
                                 up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
-                            hval = gate / (Float32(1.0) + cute.arch.exp(-gate)) * up
+                            hval = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
                             j = (row_base + mt * 16) // 2 + g
                             addr = out_base + (Int64(p) * (self.m // 2) + Int64(j)) * 2
                             ptx.st_global_b16(addr, ptx.f32x2_to_bf16x2(hval, hval))

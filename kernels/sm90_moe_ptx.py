@@ -146,6 +146,14 @@ def st_global_b16(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_global_v4_zero(addr: Int64, *, loc=None, ip=None) -> None:
+    """Store 16 zero bytes."""
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "st.global.v4.u32 [$0], {0, 0, 0, 0};", "l", has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def st_global_f32(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
     llvm.inline_asm(
         None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],

@@ -54,7 +54,7 @@ class Sm90MoeRouting:
         lane = tidx % 32
         warp = tidx // 32
         n_pairs = mIds.shape[0]
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         s_cnt = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
         s_off = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
         s_toff = smem.allocate_tensor(Int32, cute.make_layout(E), 16)

@@ -49,10 +49,10 @@ def test_moe_kernels_compile_sm90a(model, tile_tokens):
     alpha = torch.zeros(e)
     x = torch.zeros(t, h, dtype=torch.bfloat16)
     hbuf = torch.zeros(p, i, dtype=torch.bfloat16)
-    assert compile_op(l1, [w13, s13, alpha, x, tok, wts, tiles, ntiles, hbuf]) is not None
+    assert compile_op(l1, [w13, s13, alpha, x, tok, wts, tiles, ntiles, hbuf, torch.zeros(t, h)]) is not None
     w2 = torch.zeros(e, h, i // 2, dtype=torch.uint8)
     s2 = torch.zeros(e, swizzled_nbytes(h, i // 16), dtype=torch.uint8)
-    assert compile_op(l2, [w2, s2, alpha, hbuf, tok, wts, tiles, ntiles, torch.zeros(t, h)]) is not None
+    assert compile_op(l2, [w2, s2, alpha, hbuf, tok, wts, tiles, ntiles, torch.zeros(t, h), torch.zeros(t, h)]) is not None
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
@@ -62,7 +62,7 @@ def test_dense_linear_compiles_sm90a(out_dtype):
     d = torch.zeros(1, 3, dtype=torch.int32)
     args = [torch.zeros(1, n, k // 2, dtype=torch.uint8), torch.zeros(1, swizzled_nbytes(n, k // 16), dtype=torch.uint8),
             torch.zeros(1), torch.zeros(t, k, dtype=torch.bfloat16), d[0, :1], torch.zeros(1), d, d[0, :1],
-            torch.zeros(t, n, dtype=out_dtype)]
+            torch.zeros(t, n, dtype=out_dtype), torch.zeros(t, n, dtype=out_dtype)]
     assert compile_op(op, args) is not None
 
 
