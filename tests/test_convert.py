@@ -61,8 +61,8 @@ def e4m3(b: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0(b: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([2.0 ** (int(x) - 127) for x in b.view(torch.uint8).reshape(-1)],
-                        dtype=torch.float64).reshape(b.shape)
+    exponent = b.view(torch.uint8).to(torch.int64) - 127
+    return torch.ldexp(torch.ones(b.shape, dtype=torch.float64), exponent)  # exact powers of two
 
 
 @pytest.fixture(scope="module")
