@@ -207,6 +207,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "index_topk": 16,
         "sliding_window": 64,
     },
+    # Real V4-Flash layer shapes (H=4096, I=2048, 64 of the 256 experts, 64 heads x 512,
+    # q/o lora 1024, 8 o_groups, 64 index heads x 128) on 3 layers (SWA/hash, CSA, HCA) + MTP
+    # and a 8192-token vocabulary: ~1 GB per layer shard (3.9 GB in all, ~2 GB peak RSS,
+    # minutes to write), for kernel and converter timing.
+    "flash-layer": {
+        "vocab_size": 8192,
+        "num_hidden_layers": 3,
+        "num_hash_layers": 1,
+        "compress_ratios": [0, 4, 128, 0],
+        "n_routed_experts": 64,
+    },
 }
 
 #: Extra overrides for ``variant="pro"`` per preset (V4-Pro vs Flash: ~1.5x experts and
@@ -218,6 +229,10 @@ PRO_OVERRIDES: dict[str, dict[str, Any]] = {
         "o_groups": 4,
         "routed_scaling_factor": 2.5,
         "index_topk": 16,
+    },
+    "flash-layer": {
+        "routed_scaling_factor": 2.5,
+        "compress_ratios": [128, 128, 4, 0],
     },
     "small": {
         "n_routed_experts": 24,

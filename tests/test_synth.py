@@ -291,7 +291,11 @@ def test_config_api():
     assert cfg["moe_intermediate_size"] % 128 != 0  # a row count that is not a multiple of 128
     assert synthetic_config("tiny", "flash", num_hidden_layers=6)["num_hidden_layers"] == 6
     assert synthetic_config("tiny", "pro")["routed_scaling_factor"] == 2.5
-    assert set(PRESETS) >= {"tiny", "small"}
+    assert set(PRESETS) >= {"tiny", "small", "flash-layer"}
+    fl = synthetic_config("flash-layer", "flash")  # real layer shapes; writing takes minutes, not tested here
+    assert (fl["hidden_size"], fl["moe_intermediate_size"], fl["head_dim"]) == (4096, 2048, 512)
+    assert {0, 4, 128} <= set(fl["compress_ratios"]) and len(fl["compress_ratios"]) == 4
+    assert synthetic_config("flash-layer", "pro")["compress_ratios"][:2] == [128, 128]
     with pytest.raises(ValueError):
         synthetic_config("tiny", "flash", hidden_size=100)
     with pytest.raises(ValueError):
