@@ -425,8 +425,8 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
     or file. With ``dry_run`` only the plan is made (no shard is downloaded).
     """
     out = Path(out)
-    src = open_source(source, revision=revision, cache_dir=cache_dir, staging_dir=out / STAGING_DIR,
-                      progress=progress)
+    src = open_source(source, revision=revision, cache_dir=cache_dir,
+                      staging_dir=None if keep_source else out / STAGING_DIR, progress=progress)
     try:
         plan = make_plan(src, Options(dense=dense, shard_size=shard_size))
         if on_plan is not None:

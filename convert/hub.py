@@ -110,10 +110,11 @@ class HubSource(FileReader):
 
     # ------------------------------------------------------------------ setup
 
-    def _download(self, file: str, *, staged: bool = False, local_only: bool = False) -> Path:
+    def _download(self, file: str, *, staged: bool = False, local_only: bool = False,
+                  revision: str | None = None) -> Path:
         from huggingface_hub import hf_hub_download
 
-        revision = getattr(self, "commit", None) or self.revision
+        revision = revision or getattr(self, "commit", None) or self.revision
         try:
             if staged and self.staging_dir is not None:
                 path = hf_hub_download(self.repo_id, file, revision=revision, local_dir=self.staging_dir,
@@ -144,7 +145,13 @@ class HubSource(FileReader):
         self.repo_files = sorted(siblings)
         if "config.json" not in siblings:
             raise SourceError(f"{self.description}: no config.json; a DeepSeek-V4 checkpoint repository has one")
-        self.config = read_json(self._download("config.json"), "a DeepSeek-V4 config.json is a JSON object")
+        # config.json by the revision asked for, so the cache learns ``refs/<revision>`` (offline runs
+        # resolve the same name later); it must land in the commit model_info resolved.
+        config_path = self._download("config.json", revision=self.revision)
+        if config_path.parent.name != self.commit:
+            raise SourceError(f"{self.repo_id}@{self.revision} moved from {self.commit} to {config_path.parent.name} "
+                              "while the conversion started; run again (or pass --revision COMMIT).")
+        self.config = read_json(config_path, "a DeepSeek-V4 config.json is a JSON object")
         where = f"{self.description}/{INDEX_FILE}"
         if INDEX_FILE in siblings:
             weight_map = weight_map_from_index(read_json(self._download(INDEX_FILE), "the safetensors index is corrupt"),
