@@ -1,0 +1,284 @@
+"""Round-trip checks of one converted NVFP4 item (an expert, or a dense linear) against its source.
+
+Each check runs the inverse of the converter's layout transforms on the converted bytes
+(:func:`~nvfp4_megamoe.convert.transforms.from_kernel_layout`: un-swizzle, de-interleave; the
+caller un-stacks by reading one expert's slice) and compares with the source tensors:
+
+* **MXFP4** (official experts, ModelOpt MTP experts): ``alpha = 2**(max k - 8)`` exactly; every
+  code identical; on every non-zero 32-block the effective per-16 scales ``e4m3 * alpha`` equal
+  ``2**(e8m0 - 127)`` exactly (zero blocks have no defined scale). Out-of-range blocks
+  (``max k - k > 17``) must hold scale ``2**-9`` and the codes re-rounded to that step; their
+  error is bounded by half the smallest E2M1 step, ``2**-11 * alpha``.
+* **ModelOpt NVFP4**: codes identical; ``alpha = max(weight_scale_2)``; the half already on
+  ``alpha`` keeps its scale bytes; the other half's effective scales are a nearest E4M3 value
+  of the source's effective scale (within ``2**-4`` relative, or ``2**-9 * alpha`` absolute in
+  E4M3's subnormal range); stacked ``input_scale`` values equal the sources.
+* **FP8 -> NVFP4** (lossy): alpha, block scales and codes are exactly what the documented recipe
+  gives for the source values (so one flipped byte is found even where the error statistics
+  would hardly move), and the error statistics stay within :data:`BOUNDS`.
+
+Functions here read nothing themselves: the caller passes the converted item and a reader of
+source tensors, so memory stays at one item.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from nvfp4_megamoe.kernels.e2m1 import decode_e2m1, encode_e2m1, unpack_nibbles
+from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize
+from nvfp4_megamoe.kernels.mxfp4 import MX_BLOCK, dequantize_mxfp4
+from nvfp4_megamoe.kernels.nvfp4 import BLOCK, block_scales_for, dequantize_nvfp4, encode_nvfp4, global_scale_for
+from nvfp4_megamoe.kernels.scales import E4M3_MIN_SUBNORMAL, decode_e4m3, decode_e8m0, encode_e4m3
+
+from .stats import ErrorStats
+from .transforms import effective_scales, from_kernel_layout
+
+E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Documented limits for one lossy path (docs/format.md, "Verification bounds")."""
+
+    rel_fro: float
+    cosine: float
+    max_abs_over_alpha: float | None = None  # per item: max |error| <= this * alpha
+
+    def as_dict(self) -> dict:
+        d = {"rel_fro": self.rel_fro, "cosine": self.cosine}
+        if self.max_abs_over_alpha is not None:
+            d["max_abs_over_alpha"] = self.max_abs_over_alpha
+        return d
+
+
+#: Source format -> bound on the converted tensor's error against the dequantised source.
+#: Measured on the synthetic checkpoints (tiny and small presets, every variant, 3 seeds):
+#: fp8 rel_fro 0.092-0.097, cosine >= 0.9953; nvfp4 reconciliation rel_fro 0.0146-0.0161,
+#: cosine >= 0.99987; mxfp4 fallback rel_fro <= 1.1e-7.
+BOUNDS: dict[str, Bound] = {
+    "fp8": Bound(rel_fro=0.15, cosine=0.98),
+    # One E4M3 re-rounding per block scale: |error| <= 2**-4 |value| (normal scales).
+    "nvfp4": Bound(rel_fro=2.0**-4, cosine=0.998),
+    # Fallback blocks only: half the smallest E2M1 step (0.5) at the smallest scale 2**-9.
+    "mxfp4": Bound(rel_fro=1e-3, cosine=0.999999, max_abs_over_alpha=2.0**-11),
+}
+RECONCILE_REL = 2.0**-4
+MANIFEST_RTOL = 1e-3
+
+SourceReader = Callable[[str], torch.Tensor]
+
+
+@dataclass
+class UnitCheck:
+    """What the round trip found for one unit (all its items), keyed by output tensor."""
+
+    problems: list[tuple[str, str]] = field(default_factory=list)  # (output tensor, message)
+    stats: ErrorStats = field(default_factory=ErrorStats)
+    inexact: int = 0
+    lossy_items: int = 0
+    max_abs_over_alpha: float = 0.0
+
+    def problem(self, tensor: str, message: str) -> None:
+        self.problems.append((tensor, message))
+
+
+@dataclass(frozen=True)
+class Item:
+    """One converted item: packed [R, K/2] uint8, swizzled scale bytes, alpha; its output names."""
+
+    index: int | None  # expert index for stacked outputs
+    packed: torch.Tensor
+    scales: torch.Tensor
+    alpha: float
+    names: dict[str, str]  # "weight", "weight_scale", "alpha" -> output tensor name
+
+    def where(self, part: str | None = None) -> str:
+        bits = ([f"expert {self.index}"] if self.index is not None else []) + ([part] if part else [])
+        return f" [{', '.join(bits)}]" if bits else ""
+
+
+def _first_diff(mask: torch.Tensor) -> str:
+    idx = mask.nonzero()[0].tolist()
+    return f"first at {idx}" if idx else ""
+
+
+def _count(mask: torch.Tensor) -> int:
+    return int(mask.sum())
+
+
+def _parts(item: Item, parts: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return from_kernel_layout(item.packed, item.scales, parts)
+
+
+PART_NAMES = {1: (None,), 2: ("w1 (gate)", "w3 (up)")}
+
+
+def check_mxfp4(item: Item, sources: list[dict[str, str]], read: SourceReader, acc: UnitCheck) -> None:
+    """Official MXFP4 -> NVFP4: codes and effective scales bit-exact, fallback blocks bounded."""
+    parts = len(sources)
+    packed, scales = _parts(item, parts)
+    src_w = [read(p["weight"]).view(torch.uint8) for p in sources]
+    src_s = [read(p["scale"]).view(torch.uint8) for p in sources]
+    nonzero = [((unpack_nibbles(w) & 0x7) != 0).reshape(*w.shape[:-1], -1, MX_BLOCK).any(-1) for w in src_w]
+    k = [s.to(torch.int32) - 127 for s in src_s]
+    tops = [int(kk[nz].max()) for kk, nz in zip(k, nonzero) if nz.any()]
+    m = max(tops) - E4M3_POW2_MAX if tops else 0
+    want_alpha = math.ldexp(1.0, m)
+    if item.alpha != want_alpha:
+        acc.problem(item.names["alpha"], f"alpha{item.where()} is {item.alpha!r}, the MXFP4 cast gives 2**{m} = {want_alpha!r}")
+    inexact_here = 0
+    item_stats = ErrorStats()
+    worst = 0.0
+    for j, name in enumerate(PART_NAMES[parts]):
+        rel = k[j] - m
+        out_of_range = nonzero[j] & (rel < E4M3_POW2_MIN)
+        codes = unpack_nibbles(src_w[j])
+        if out_of_range.any():
+            blocks = codes.reshape(*codes.shape[:-1], -1, MX_BLOCK)
+            shift = torch.exp2((rel - E4M3_POW2_MIN).clamp(max=0).float()).unsqueeze(-1)
+            requant = encode_e2m1(decode_e2m1(blocks) * shift)
+            codes = torch.where(out_of_range.unsqueeze(-1), requant, blocks).reshape(codes.shape)
+        bad = unpack_nibbles(packed[j]) != codes
+        if bad.any():
+            acc.problem(item.names["weight"], f"{_count(bad)} E2M1 codes{item.where(name)} differ from "
+                        f"{sources[j]['weight']} ({_first_diff(bad)})")
+        eff = effective_scales(scales[j], item.alpha)
+        want = decode_e8m0(src_s[j]).double().repeat_interleave(2, dim=-1)
+        exact = (nonzero[j] & ~out_of_range).repeat_interleave(2, dim=-1)
+        bad = exact & (eff != want)
+        if bad.any():
+            acc.problem(item.names["weight_scale"], f"{_count(bad)} effective scales{item.where(name)} differ from "
+                        f"2**(e8m0-127) of {sources[j]['scale']} ({_first_diff(bad)})")
+        if out_of_range.any():
+            inexact_here += _count(out_of_range)
+            fb = out_of_range.repeat_interleave(2, dim=-1)
+            bad = fb & (eff != E4M3_MIN_SUBNORMAL * item.alpha)
+            if bad.any():
+                acc.problem(item.names["weight_scale"], f"{_count(bad)} out-of-range blocks{item.where(name)} do not "
+                            f"hold the fallback scale 2**-9 ({_first_diff(bad)})")
+    if inexact_here:
+        for j in range(parts):
+            ref = dequantize_mxfp4(src_w[j], src_s[j])
+            out = dequantize_nvfp4(packed[j], scales[j], item.alpha)
+            item_stats.update(ref, out)
+            worst = max(worst, float((out - ref).abs().max()) / item.alpha)
+        _add_item(acc, item_stats, inexact_here, worst)
+
+
+def check_nvfp4(item: Item, sources: list[dict[str, str]], read: SourceReader, acc: UnitCheck) -> None:
+    """ModelOpt NVFP4 (per-half global scales) -> one alpha: codes exact, scales within one E4M3 rounding."""
+    parts = len(sources)
+    packed, scales = _parts(item, parts)
+    src_w = [read(p["weight"]).view(torch.uint8) for p in sources]
+    src_s = [read(p["weight_scale"]).view(torch.uint8) for p in sources]
+    src_a = [float(read(p["weight_scale_2"]).float().reshape(-1)[0]) for p in sources]
+    want_alpha = max(src_a)
+    if item.alpha != want_alpha:
+        acc.problem(item.names["alpha"], f"alpha{item.where()} is {item.alpha!r}, expected max(weight_scale_2) = "
+                    f"{want_alpha!r} of {', '.join(p['weight_scale_2'] for p in sources)}")
+    inexact_here = 0
+    for j, name in enumerate(PART_NAMES[parts]):
+        bad = packed[j] != src_w[j]
+        if bad.any():
+            acc.problem(item.names["weight"], f"{_count(bad)} packed bytes{item.where(name)} differ from "
+                        f"{sources[j]['weight']} ({_first_diff(bad)})")
+        src_eff = decode_e4m3(src_s[j]).double() * src_a[j]
+        eff = effective_scales(scales[j], item.alpha)
+        if src_a[j] == item.alpha:
+            bad = scales[j] != src_s[j]
+            if bad.any():
+                acc.problem(item.names["weight_scale"], f"{_count(bad)} scale bytes{item.where(name)} differ from "
+                            f"{sources[j]['weight_scale']} ({_first_diff(bad)})")
+            continue
+        # The reconciled scale must be a nearest E4M3 value to the source's effective scale / alpha.
+        want = src_eff / item.alpha
+        target = torch.where(want > 0, want.clamp(min=E4M3_MIN_SUBNORMAL), want)
+        nearest = decode_e4m3(encode_e4m3(target.float())).double()
+        got = decode_e4m3(scales[j]).double()
+        not_nearest = (got - target).abs() > (nearest - target).abs() * (1 + 1e-12) + 1e-300
+        bound = torch.maximum(RECONCILE_REL * src_eff, torch.full_like(src_eff, E4M3_MIN_SUBNORMAL * item.alpha))
+        bad = not_nearest | ((eff - src_eff).abs() > bound) | (got.isnan())
+        if bad.any():
+            acc.problem(item.names["weight_scale"], f"{_count(bad)} reconciled scales{item.where(name)} are not the "
+                        f"E4M3 rounding of {sources[j]['weight_scale']} x {src_a[j]!r} / alpha ({_first_diff(bad)})")
+        inexact_here += _count(eff != src_eff)
+    if inexact_here:
+        stats = ErrorStats()
+        for j in range(parts):
+            stats.update(dequantize_nvfp4(src_w[j], src_s[j], src_a[j]), dequantize_nvfp4(packed[j], scales[j], item.alpha))
+        _add_item(acc, stats, inexact_here, 0.0)
+
+
+def check_fp8(item: Item, sources: list[dict[str, str]], read: SourceReader, acc: UnitCheck) -> None:
+    """FP8 -> NVFP4 requantisation: alpha, scales and codes follow the recipe; error measured."""
+    parts = len(sources)
+    packed, scales = _parts(item, parts)
+    values = [fp8_block_dequantize(read(p["weight"]), read(p["scale"])) for p in sources]
+    want_alpha = global_scale_for(max(float(v.abs().max()) for v in values))
+    if item.alpha != want_alpha:
+        acc.problem(item.names["alpha"], f"alpha{item.where()} is {item.alpha!r}, the recipe gives amax/(6*448) = "
+                    f"{want_alpha!r}")
+    stats = ErrorStats()
+    for j, name in enumerate(PART_NAMES[parts]):
+        bad = scales[j] != block_scales_for(values[j], item.alpha)
+        if bad.any():
+            acc.problem(item.names["weight_scale"], f"{_count(bad)} block scales{item.where(name)} are not "
+                        f"e4m3(block_amax/(6*alpha)) of {sources[j]['weight']} ({_first_diff(bad)})")
+        bad = unpack_nibbles(packed[j]) != unpack_nibbles(encode_nvfp4(values[j], scales[j], item.alpha))
+        if bad.any():
+            acc.problem(item.names["weight"], f"{_count(bad)} E2M1 codes{item.where(name)} are not the nearest codes "
+                        f"of {sources[j]['weight']} under the stored scales ({_first_diff(bad)})")
+        stats.update(values[j], dequantize_nvfp4(packed[j], scales[j], item.alpha))
+    _add_item(acc, stats, 0, 0.0)
+
+
+def _add_item(acc: UnitCheck, stats: ErrorStats, inexact: int, worst_over_alpha: float) -> None:
+    acc.stats.merge(stats)
+    acc.inexact += inexact
+    acc.lossy_items += 1
+    acc.max_abs_over_alpha = max(acc.max_abs_over_alpha, worst_over_alpha)
+
+
+CHECKS: dict[str, Callable[[Item, list[dict[str, str]], SourceReader, UnitCheck], None]] = {
+    "mxfp4": check_mxfp4, "nvfp4": check_nvfp4, "fp8": check_fp8,
+}
+
+
+def bound_violations(fmt: str, acc: UnitCheck) -> list[str]:
+    """Messages for every documented bound the unit's measured error exceeds (empty if none)."""
+    if not acc.lossy_items:
+        return []
+    b = BOUNDS[fmt]
+    err = acc.stats.result()
+    out = []
+    if not err["rel_fro"] <= b.rel_fro:
+        out.append(f"relative Frobenius error {err['rel_fro']:.4g} exceeds the bound {b.rel_fro:.4g}")
+    if not err["cosine"] >= b.cosine:
+        out.append(f"cosine {err['cosine']:.6f} is below the bound {b.cosine}")
+    if b.max_abs_over_alpha is not None and not acc.max_abs_over_alpha <= b.max_abs_over_alpha:
+        out.append(f"max abs error {acc.max_abs_over_alpha:.4g} x alpha exceeds the bound {b.max_abs_over_alpha:.4g} x alpha")
+    return out
+
+
+def manifest_disagreement(measured: dict, recorded: dict | None) -> str | None:
+    """None when the manifest's recorded error matches the measured one (relative 1e-3), else why not."""
+    if recorded is None:
+        return "the manifest records no error for this lossy tensor"
+    for key in ("rel_fro", "max_abs"):
+        a, b = measured[key], recorded.get(key)
+        if b is None or not abs(a - b) <= MANIFEST_RTOL * max(abs(a), abs(b)) + 1e-12:
+            return f"the manifest records {key} = {b!r}, verify measures {a!r}"
+    a, b = 1 - measured["cosine"], 1 - recorded.get("cosine", math.nan)
+    if not abs(a - b) <= MANIFEST_RTOL * max(abs(a), abs(b)) + 1e-9:
+        return f"the manifest records cosine = {recorded.get('cosine')!r}, verify measures {measured['cosine']!r}"
+    return None
+
+
+def scale_cols(packed_cols: int) -> int:
+    """Scale columns (K/16) of a packed [R, K/2] matrix."""
+    return 2 * packed_cols // BLOCK
