@@ -164,5 +164,25 @@ def inspect_cmd(path: Path, as_json: bool) -> None:
     click.echo(json.dumps(s, indent=1) if as_json else format_summary(s))
 
 
+@main.command("verify")
+@click.argument("out", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--source", type=click.Path(path_type=Path), default=None,
+              help="Source checkpoint folder for the round trip (default: the path the manifest recorded, if present).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+              help="Write the full per-tensor report to this file.")
+@click.option("--fast", is_flag=True, help="Skip the shard sha256 hashes (the round trip still compares every tensor).")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+def verify_cmd(out: Path, source: Path | None, json_path: Path | None, fast: bool, progress: bool) -> None:
+    """Check the converted checkpoint in OUT against its manifest and its source; exit 0 only if all holds."""
+    from .verify import format_report, verify_checkpoint
+
+    report = verify_checkpoint(out, source=source, fast=fast, progress=progress)
+    click.echo(format_report(report))
+    if json_path is not None:
+        report.write_json(json_path)
+        click.echo(f"full report: {json_path}")
+    sys.exit(0 if report.ok else 1)
+
+
 if __name__ == "__main__":
     main()
