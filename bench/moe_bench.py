@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--impls", default="ours,torch_bf16")
     ap.add_argument("--out", default="moe_bench.json")
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--variant-max-tokens", type=int, default=1 << 30)
     ap.add_argument("--variants", default="{}", help='JSON {"ours_name": {tuning kwargs}} of extra configurations of ours')
     args = ap.parse_args()
     base_impls = args.impls.split(",")
@@ -190,6 +191,8 @@ def main() -> None:
                    "floor_bytes_us": floor_bytes * 1e6, "floor_flops_us": floor_flops * 1e6}
             outs = {}
             for impl in impls:
+                if impl in variants and t > args.variant_max_tokens:
+                    continue
                 out = torch.full((t, h), float("nan"), device="cuda")
                 try:
                     if impl.startswith("ours"):
@@ -215,8 +218,8 @@ def main() -> None:
                 for impl, o in outs.items():
                     row[impl + "_relerr_vs_ours"] = float((o - outs["ours"]).norm() / outs["ours"].norm())
             rows.append(row)
-            cells = "  ".join(f"{m}={row.get(m + '_us', float('nan')):8.1f}us ({row['floor_us'] / row[m + '_us']:.0%})"
-                              if m + "_us" in row else f"{m}=ERR" for m in impls)
+            cells = "  ".join(f"{m}={row[m + '_us']:8.1f}us ({row['floor_us'] / row[m + '_us']:.0%})"
+                              for m in impls if m + "_us" in row)
             print(f"{model:8s} T={t:5d} experts={touched:3d} floor={row['floor_us']:7.1f}us  {cells}", flush=True)
         results["models"][model] = rows
         del w, w13b, w2b, layer

@@ -83,7 +83,8 @@ class Sm90NvFp4MoE:
         swiglu_limit: clamp L of the SwiGLU (None: no clamp).
         max_tokens: the largest T a call may pass (workspaces are sized for it).
         device: CUDA device of the workspaces.
-        tuning: extra keyword arguments for both ``Sm90Nvfp4GroupedGemm`` (e.g. ``depth``, ``b_depth``).
+        tuning: extra keyword arguments for both ``Sm90Nvfp4GroupedGemm`` (e.g. ``depth``, ``warps``), and
+            under the keys ``"l1"`` / ``"l2"`` for one of them (e.g. ``{"l2": {"split_k": 2}}``).
     """
 
     def __init__(self, *, hidden: int, intermediate: int, experts: int, top_k: int,
@@ -104,11 +105,13 @@ class Sm90NvFp4MoE:
 
     def kernels(self, tile_tokens: int) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
         """The three kernel objects used for a token tile size."""
+        tuning = dict(getattr(self, "tuning", {}))
+        l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
         return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
                 Sm90Nvfp4GroupedGemm(m=2 * self.i, k=self.h, mode="swiglu", tile_tokens=tile_tokens,
-                                     swiglu_limit=self.limit, **getattr(self, "tuning", {})),
+                                     swiglu_limit=self.limit, **{**tuning, **l1_extra}),
                 Sm90Nvfp4GroupedGemm(m=self.h, k=self.i, mode="scatter", tile_tokens=tile_tokens,
-                                     **getattr(self, "tuning", {})))
+                                     **{**tuning, **l2_extra}))
 
     def check_weights(self, w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha) -> None:
         e, h, i = self.e, self.h, self.i

@@ -57,13 +57,14 @@ class Sm90Nvfp4GroupedGemm:
         swiglu_limit: the clamp ``L`` of ``"swiglu"`` (None: no clamp).
         warps: warps per CTA; each owns ``16 * row_tiles`` weight rows.
         depth: k-tiles of weight loads kept in flight per thread.
-        b_depth: k-tiles of activation loads in flight (0: loaded when used; None: 2 for <= 16 tokens).
+        b_depth: k-tiles of activation loads in flight (0: loaded when used; None: 2 for 8-token tiles).
+        split_k: CTAs sharing one tile's K (``"scatter"`` only: its atomics already add partial sums).
         out_bf16: ``"store"`` writes BF16 instead of float32.
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
                  warps: int = 4, row_tiles: int = 1, depth: int = 4, b_depth: int | None = None,
-                 out_bf16: bool = False):
+                 split_k: int = 1, out_bf16: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -73,7 +74,8 @@ class Sm90Nvfp4GroupedGemm:
         self.nb = tile_tokens // 8
         self.warps, self.row_tiles = warps, row_tiles
         self.bm = warps * 16 * row_tiles
-        self.n_kt = k // K_TILE
+        self.split_k = split_k if mode == "scatter" and (k // K_TILE) % split_k == 0 else 1
+        self.n_kt = k // K_TILE // self.split_k  # k-tiles per CTA
         self.depth = max(d for d in (1, 2, 4, depth) if d <= depth and self.n_kt % d == 0)
         if m % self.bm:
             raise ValueError(f"M={m} must be a multiple of the CTA's {self.bm} rows")
@@ -86,14 +88,14 @@ class Sm90Nvfp4GroupedGemm:
         self.epi_scale = float(2 ** ptx.EPILOGUE_LOG2)
         # activations ride the register pipeline too (two k-tiles ahead) when they are few
         if b_depth is None:
-            b_depth = 2 if self.nb <= 2 else 0
+            b_depth = 2 if self.nb == 1 else 0
         if b_depth and self.depth % b_depth:
             b_depth = 0
         self.b_depth = b_depth
 
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
-                self.b_depth, self.out_bf16)
+                self.b_depth, self.split_k, self.out_bf16)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -104,14 +106,14 @@ class Sm90Nvfp4GroupedGemm:
         else:
             n_tiles = mTiles.shape[0]
         self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
-            grid=[self.m // self.bm, n_tiles, 1], block=[self.warps * 32, 1, 1], stream=stream)
+            grid=[self.m // self.bm, n_tiles, self.split_k], block=[self.warps * 32, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
                mTok: cute.Tensor, mRW: cute.Tensor, mTiles: cute.Tensor, mNumTiles: cute.Tensor,
                mOut: cute.Tensor, mZero: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
+        bx, by, bz = cute.arch.block_idx()
         if const_expr(self.mode == "swiglu"):
             # zero the float32 output the L2 scatter accumulates into (saves a memset launch)
             gx, gy, _ = cute.arch.grid_dim()
@@ -139,12 +141,13 @@ class Sm90Nvfp4GroupedGemm:
                 begin = mTiles[by, 1]
                 end = mTiles[by, 2]
         if live != 0:
-            self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx, warp, g, c)
+            self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx, bz * self.n_kt,
+                      warp, g, c)
 
     @cute.jit
     def tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,
              mRW: cute.Tensor, mOut: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32, bx: Int32,
-             warp: Int32, g: Int32, c: Int32):
+             kt0: Int32, warp: Int32, g: Int32, c: Int32):
         k, m = self.k, self.m
         row_base = bx * self.bm + warp * (16 * self.row_tiles)
         e64 = Int64(expert)
@@ -179,14 +182,15 @@ class Sm90Nvfp4GroupedGemm:
         acc.fill(0.0)
         DB = self.b_depth
         xbuf = cute.make_rmem_tensor((max(DB, 1), self.nb, 16), Int32)
+        kt_last = kt0 + n_kt - 1
         for d in cutlass.range_constexpr(D):
-            self.load_a(wbuf, sbuf, a_addr, s_addr, d, Int32(d))
+            self.load_a(wbuf, sbuf, a_addr, s_addr, d, kt0 + d)
         for d in cutlass.range_constexpr(DB):
-            self.load_b(xbuf, b_addr, d, Int32(d))
+            self.load_b(xbuf, b_addr, d, kt0 + d)
 
         for kto in cutlass.range(0, n_kt, D, unroll=1):
             for d in cutlass.range_constexpr(D):
-                kt = kto + d
+                kt = kt0 + kto + d
                 # activations of this k-tile (from the pipeline, or loaded now when there are many)
                 xw = cute.make_rmem_tensor((self.nb, 16), Int32)
                 if const_expr(DB > 0):
@@ -194,8 +198,8 @@ class Sm90Nvfp4GroupedGemm:
                         for i in cutlass.range_constexpr(16):
                             xw[nb, i] = xbuf[d % DB, nb, i]
                     nxb = kt + DB
-                    if nxb > n_kt - 1:
-                        nxb = n_kt - 1
+                    if nxb > kt_last:
+                        nxb = kt_last
                     self.load_b(xbuf, b_addr, d % DB, nxb)
                 else:
                     self.load_b(xw, b_addr, None, kt)
@@ -208,8 +212,8 @@ class Sm90Nvfp4GroupedGemm:
                         for i in cutlass.range_constexpr(4):
                             cw[mt, h, i] = wbuf[d, mt, h, i]
                 nxt = kt + D
-                if nxt > n_kt - 1:
-                    nxt = n_kt - 1
+                if nxt > kt_last:
+                    nxt = kt_last
                 self.load_a(wbuf, sbuf, a_addr, s_addr, d, nxt)
                 self.mma_ktile(cw, cs, xw, acc)
 
