@@ -127,8 +127,51 @@ def dequantized_state_dict(src: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def transformers_model(src: str | Path):
-    """``DeepseekV4ForCausalLM`` in float32 holding the exact dequantised source weights (eval mode)."""
+def converted_nvfp4_weights(converted: str | Path) -> dict[str, torch.Tensor]:
+    """Every NVFP4 tensor of a format-1 checkpoint decoded to float32, under transformers' names.
+
+    Stacked experts become ``gate_up_proj`` / ``down_proj``; a fused shared expert ``w13`` is
+    de-interleaved into ``gate_proj`` / ``up_proj``; other NVFP4 linears keep their module name.
+    """
+    from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up
+    from nvfp4_megamoe.kernels.nvfp4_reference import decode_weight
+
+    converted = Path(converted)
+    index = json.loads((converted / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(str(converted / index[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    out: dict[str, torch.Tensor] = {}
+    for name in index:
+        if not name.endswith(".alpha") or name.startswith("mtp."):
+            continue
+        base = name[: -len(".alpha")]
+        w, sc, alpha = read(f"{base}.weight"), read(f"{base}.weight_scale"), read(name)
+        layer = base.split(".")[1]
+        if base.endswith("ffn.experts.w13"):
+            halves = [deinterleave_gate_up(decode_weight(w[e], sc[e], alpha[e])) for e in range(w.shape[0])]
+            out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat(h) for h in halves])
+        elif base.endswith("ffn.experts.w2"):
+            out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(
+                [decode_weight(w[e], sc[e], alpha[e]) for e in range(w.shape[0])])
+        elif base.endswith("shared_experts.w13"):
+            gate, up = deinterleave_gate_up(decode_weight(w, sc, alpha))
+            out[f"model.layers.{layer}.mlp.shared_experts.gate_proj.weight"] = gate
+            out[f"model.layers.{layer}.mlp.shared_experts.up_proj.weight"] = up
+        else:
+            out[hf_name(f"{base}.weight")] = decode_weight(w, sc, alpha)
+    return out
+
+
+def transformers_model(src: str | Path, *, nvfp4_from: str | Path | None = None):
+    """``DeepseekV4ForCausalLM`` in float32 holding the exact dequantised source weights (eval mode).
+
+    ``nvfp4_from``: take every NVFP4 weight from this converted checkpoint instead (decoded
+    format 1), to separate the runtime's error from the conversion's on lossy paths (ModelOpt
+    w1/w3 global-scale reconciliation, FP8 -> NVFP4 dense requantisation).
+    """
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     src = Path(src)
@@ -136,9 +179,13 @@ def transformers_model(src: str | Path):
     raw.pop("quantization_config", None)
     config = DeepseekV4Config(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
     config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = DeepseekV4ForCausalLM(config).float().eval()
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every parameter is overwritten below; random init only costs time
+        model = DeepseekV4ForCausalLM(config).float().eval()
     state = dequantized_state_dict(src)
+    if nvfp4_from is not None:
+        state.update(converted_nvfp4_weights(nvfp4_from))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.endswith("inv_freq")]
     if missing or unexpected:

@@ -1,0 +1,313 @@
+"""Runtime: load a converted synthetic checkpoint and check it against transformers (the oracle).
+
+Checkpoints are written by ``convert.synth`` and converted with ``convert_checkpoint`` once per
+module. The oracle is ``DeepseekV4ForCausalLM`` in float32 on the source's exact dequantised
+weights (``tests/runtime_oracle.py``); for lossy conversions (ModelOpt w1/w3 global scales, FP8 ->
+NVFP4 dense layers) a second oracle takes the converted NVFP4 weights, which isolates the
+runtime's own error from the converter's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from nvfp4_megamoe.convert.api import convert_checkpoint
+from nvfp4_megamoe.convert.synth import write_synthetic
+from nvfp4_megamoe.runtime import FormatError, ReferenceBackend, load_model
+from nvfp4_megamoe.runtime import checkpoint as checkpoint_module
+from nvfp4_megamoe.kernels.indexer_reference import select_topk
+from nvfp4_megamoe.kernels.router_reference import route_hash
+
+from runtime_oracle import transformers_model
+
+TOKENS = 200  # > sliding window (32 / 64), > 128 so an HCA entry closes, ~50 CSA entries vs top-k 8 / 16
+SEED = 2  # input ids; with 8 index heads about one input in six has an exact tie (see TieCounter)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(preset, variant, dense) -> (source dir, converted dir), built on first use."""
+    root = tmp_path_factory.mktemp("runtime")
+    made: dict[tuple[str, str, str], tuple] = {}
+
+    def get(preset: str, variant: str, dense: str = "keep"):
+        key = (preset, variant, dense)
+        if key not in made:
+            src = root / f"{preset}-{variant}"
+            if not src.exists():
+                write_synthetic(src, preset=preset, variant=variant, seed=0)
+            out = root / f"{preset}-{variant}-{dense}"
+            convert_checkpoint(src, out, dense=dense)
+            made[key] = (src, out)
+        return made[key]
+
+    return get
+
+
+class TieCounter(ReferenceBackend):
+    """Reference backend that counts exact score ties at the indexer's top-k boundary.
+
+    Which of two exactly tied entries ``topk`` keeps is implementation-defined (transformers and
+    the official code leave it to ``torch.topk``; we keep the older entry), so a comparison with the
+    oracle is only meaningful on inputs without such ties.
+    """
+
+    ties = 0
+
+    def select_topk(self, scores, visible, k):
+        ranked = scores.masked_fill(~visible, float("-inf")).sort(-1, descending=True).values
+        if ranked.shape[-1] > k:
+            kth, next_ = ranked[..., k - 1], ranked[..., k]
+            self.ties += int(((kth == next_) & torch.isfinite(next_)).sum())
+        return super().select_topk(scores, visible, k)
+
+
+def ids_for(model, seed: int, tokens: int = TOKENS, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def oracle_logits(src, ids, nvfp4_from=None) -> torch.Tensor:
+    with torch.no_grad():
+        return transformers_model(src, nvfp4_from=nvfp4_from)(ids, use_cache=False).logits
+
+
+# -- against transformers --------------------------------------------------------------------------
+
+CASES = [
+    pytest.param("tiny", "flash", id="tiny-flash"),
+    pytest.param("tiny", "pro", id="tiny-pro"),
+    pytest.param("small", "flash", id="small-flash"),
+]
+
+
+@pytest.mark.parametrize("preset,variant", CASES)
+def test_mxfp4_logits_match_transformers(checkpoints, preset, variant):
+    """MXFP4 -> NVFP4 is lossless, so the runtime must match the exact source weights."""
+    src, out = checkpoints(preset, variant)
+    backend = TieCounter()
+    model = load_model(out, backend=backend)
+    ids = ids_for(model, SEED)
+    got = model(ids)
+    assert backend.ties == 0, "fixture has exact indexer ties at the top-k boundary; pick another seed"
+    assert got.shape == (1, TOKENS, model.config.vocab_size) and got.dtype == torch.float32
+    assert rel(got, oracle_logits(src, ids)) < 1e-5  # measured ~7e-7; the issue's bound is 1e-3
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_modelopt_runtime_is_exact_on_converted_weights(checkpoints, preset):
+    """ModelOpt: the runtime matches transformers on the weights format 1 holds (decoded NVFP4)."""
+    src, out = checkpoints(preset, "modelopt")
+    backend = TieCounter()
+    model = load_model(out, backend=backend)
+    ids = ids_for(model, SEED)
+    got = model(ids)
+    assert backend.ties == 0
+    assert rel(got, oracle_logits(src, ids, nvfp4_from=out)) < 1e-5
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "format 1 has one alpha per fused w13, so the converter re-rounds one half's E4M3 block scales "
+    "when ModelOpt's w1/w3 weight_scale_2 differ (1.6% weight error, recorded in the manifest); on "
+    "the random synthetic model that grows to ~0.1-0.2 logits error vs the exact source "
+    "(docs/runtime.md). The runtime itself is exact on the converted weights (test above)."))
+def test_modelopt_logits_match_exact_source(checkpoints):
+    src, out = checkpoints("tiny", "modelopt")
+    model = load_model(out)
+    ids = ids_for(model, SEED)
+    assert rel(model(ids), oracle_logits(src, ids)) < 3e-2
+
+
+def test_nvfp4_dense_layers(checkpoints):
+    """``--dense nvfp4``: NVFP4 attention projections and fused shared expert (w13 interleaved)."""
+    src, out = checkpoints("tiny", "flash", "nvfp4")
+    model = load_model(out)
+    layer = model.weights.layers[2]
+    assert type(layer.attn.wq_a).__name__ == "Nvfp4Linear" and layer.moe.shared.w13 is not None
+    assert layer.attn.wq_a.weight.dtype == torch.uint8  # stays packed in memory
+    ids = ids_for(model, SEED)
+    assert rel(model(ids), oracle_logits(src, ids, nvfp4_from=out)) < 1e-5
+
+
+# -- decode ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["flash", "pro"])
+def test_decode_matches_prefill(checkpoints, variant):
+    _, out = checkpoints("tiny", variant)
+    model = load_model(out)
+    ids = ids_for(model, 3, tokens=TOKENS, batch=2)
+    full = model(ids)
+    # Step by step from an empty cache, through the first SWA wrap and CSA windows.
+    state = model.new_state(2)
+    steps = torch.stack([model.step(ids[:, i], state) for i in range(40)], dim=1)
+    assert state.position == 40
+    assert rel(steps, full[:, :40]) < 1e-5
+    # Prefill then decode across the first HCA window close (position 127) and the ring wrap.
+    state = model.new_state(2)
+    pre = model(ids[:, :120], state)
+    steps = torch.stack([model.step(ids[:, i], state) for i in range(120, 136)], dim=1)
+    assert rel(pre, full[:, :120]) < 1e-5
+    assert rel(steps, full[:, 120:136]) < 1e-5
+    # Uneven chunks (compressor windows and ring split across chunk boundaries).
+    state = model.new_state(2)
+    chunks = [model(ids[:, a:b], state) for a, b in ((0, 77), (77, 130), (130, 131), (131, TOKENS))]
+    assert rel(torch.cat(chunks, dim=1), full) < 1e-5
+
+
+# -- loading -------------------------------------------------------------------------------------------
+
+class ReadCounter:
+    """Wraps ``safe_open`` in the runtime's checkpoint module; sums bytes of every tensor read."""
+
+    def __init__(self, monkeypatch):
+        self.by_name: dict[str, int] = {}
+        real = checkpoint_module.safe_open
+        counter = self
+
+        class Slice:
+            def __init__(self, name, inner):
+                self.name, self.inner = name, inner
+
+            def __getitem__(self, index):
+                t = self.inner[index]
+                counter.by_name[self.name] = counter.by_name.get(self.name, 0) + t.numel() * t.element_size()
+                return t
+
+            def __getattr__(self, attr):
+                return getattr(self.inner, attr)
+
+        class Handle:
+            def __init__(self, *args, **kwargs):
+                self.inner = real(*args, **kwargs)
+
+            def get_slice(self, name):
+                return Slice(name, self.inner.get_slice(name))
+
+            def get_tensor(self, name):
+                t = self.inner.get_tensor(name)
+                counter.by_name[name] = counter.by_name.get(name, 0) + t.numel() * t.element_size()
+                return t
+
+            def __getattr__(self, attr):
+                return getattr(self.inner, attr)
+
+        monkeypatch.setattr(checkpoint_module, "safe_open", Handle)
+
+
+def _nbytes(out, names) -> dict[str, int]:
+    from safetensors import safe_open
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    sizes = {}
+    for name in names:
+        with safe_open(str(out / index[name]), framework="pt") as f:
+            t = f.get_slice(name)
+            shape, itemsize = t.get_shape(), {"U8": 1, "F32": 4}[t.get_dtype()]
+            n = 1
+            for d in shape:
+                n *= d
+            sizes[name] = n * itemsize
+    return sizes
+
+
+def test_expert_range_reads_only_their_bytes(checkpoints, monkeypatch):
+    _, out = checkpoints("tiny", "flash")
+    reads = ReadCounter(monkeypatch)
+    model = load_model(out, experts=(2, 5))
+    n_experts = model.config.n_routed_experts
+    expert_tensors = [n for n in json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+                      if ".ffn.experts." in n and not n.startswith("mtp.")]
+    full = _nbytes(out, expert_tensors)
+    for name, size in full.items():
+        assert reads.by_name[name] == size * 3 // n_experts, name
+    assert not any(n.startswith("mtp.") for n in reads.by_name)
+    assert model.checkpoint.bytes_read == sum(reads.by_name.values())
+    layer = model.weights.layers[0].moe
+    assert layer.w13.shape[0] == 3 and layer.expert_range == (2, 5)
+
+
+def test_layer_subset_reads_only_that_layer(checkpoints, monkeypatch):
+    _, out = checkpoints("tiny", "flash")
+    reads = ReadCounter(monkeypatch)
+    model = load_model(out, layers=[3])
+    assert model.layer_indices == [3]
+    layers_read = {n.split(".")[1] for n in reads.by_name if n.startswith("layers.")}
+    assert layers_read == {"3"}
+
+
+def test_expert_parallel_partial_sums_add_up(checkpoints):
+    """Routed-MoE outputs of disjoint expert ranges sum to the full layer's."""
+    _, out = checkpoints("tiny", "flash")
+    full = load_model(out, layers=[1])
+    parts = [load_model(out, layers=[1], experts=r) for r in ((0, 3), (3, 8))]
+    x = torch.randn(10, full.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids = torch.stack([torch.randperm(full.config.n_routed_experts)[: full.config.top_k] for _ in range(10)])
+    w = torch.rand(10, full.config.top_k)
+    be, limit = full.backend, full.config.swiglu_limit
+    want = be.moe(x, ids, w, full.weights.layers[1].moe, limit)
+    got = sum(p.backend.moe(x, ids, w, p.weights.layers[1].moe, limit) for p in parts)
+    assert rel(got, want) < 1e-6
+
+
+def test_not_converted_folder_is_a_clear_error(checkpoints):
+    src, _ = checkpoints("tiny", "flash")
+    with pytest.raises(FormatError, match="not a converted checkpoint"):
+        load_model(src)
+
+
+def test_newer_format_version_is_a_clear_error(checkpoints, tmp_path):
+    _, out = checkpoints("tiny", "flash")
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    manifest = json.loads((copy / "nvfp4_manifest.json").read_text())
+    manifest["format_version"] = 2
+    (copy / "nvfp4_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="version 2"):
+        load_model(copy)
+
+
+def test_verify_hashes_detects_a_modified_shard(checkpoints, tmp_path):
+    _, out = checkpoints("tiny", "flash")
+    load_model(out, layers=[0], verify_hashes=True)
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    shard = next(copy.glob("model-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="sha256"):
+        load_model(copy, verify_hashes=True)
+
+
+# -- semantics choices ------------------------------------------------------------------------------
+
+def test_indexer_topk_ties_keep_the_older_entry():
+    scores = torch.tensor([[[0.0, 2.0, 0.0, 1.0, 0.0, 5.0]]])
+    visible = torch.tensor([[[True, True, True, True, True, False]]])
+    picked = select_topk(scores, visible, 3)
+    assert picked.tolist() == [[[True, True, False, True, False, False]]]
+    assert select_topk(scores, visible, 10).tolist() == visible.tolist()  # never an invisible entry
+
+
+def test_repeated_hash_expert_counts_once():
+    scores = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    tid2eid = torch.tensor([[1, 1, 3]])
+    ids, w = route_hash(scores, tid2eid, torch.tensor([0]), scaling=1.0)
+    assert ids.tolist() == [[1, 1, 3]]
+    assert torch.allclose(w, torch.tensor([[2 / 8, 0.0, 4 / 8]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reference_ops_on_cuda_match_cpu(checkpoints):
+    _, out = checkpoints("tiny", "flash")
+    cpu, gpu = load_model(out), load_model(out, device="cuda")
+    ids = ids_for(cpu, 0, tokens=64)
+    assert rel(gpu(ids).cpu(), cpu(ids)) < 1e-4
