@@ -1,0 +1,254 @@
+"""Tests for convert/verify.py: clean conversions verify, every kind of damage is found and named (CPU, fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from nvfp4_megamoe.convert import verify_roundtrip
+from nvfp4_megamoe.convert.api import convert_checkpoint
+from nvfp4_megamoe.convert.cli import main
+from nvfp4_megamoe.convert.safetensors_header import read_header
+from nvfp4_megamoe.convert.synth import write_synthetic
+from nvfp4_megamoe.convert.verify import VerifyReport, verify_checkpoint
+from nvfp4_megamoe.kernels.swizzle import swizzled_shape
+from nvfp4_megamoe.runtime.format import INDEX_FILE, MANIFEST_FILE
+
+# (variant, convert options, synth options)
+CASES = {
+    "flash": ("flash", {"shard_size": 1_000_000}, {"out_of_range_blocks": 3}),
+    "pro": ("pro", {}, {}),
+    "base": ("base", {}, {}),
+    "modelopt": ("modelopt", {}, {}),
+    "flash-keep": ("flash", {"dense": "keep"}, {}),
+    # I = 96: w13 has 192 rows (padded to 256), w2 6 scale columns (padded to 8).
+    "padded": ("flash", {}, {"moe_intermediate_size": 96}),
+}
+CLEAN = ["flash", "pro", "base", "modelopt", "flash-keep"]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Lazily made (source, output) per case, shared by the module's tests (never modified)."""
+    root = tmp_path_factory.mktemp("verify")
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(case: str) -> tuple[Path, Path]:
+        if case not in made:
+            variant, conv, syn = CASES[case]
+            src, out = root / f"{case}-src", root / f"{case}-out"
+            write_synthetic(src, preset="tiny", variant=variant, seed=1, **syn)
+            convert_checkpoint(src, out, progress=False, **conv)
+            made[case] = (src, out)
+        return made[case]
+
+    return get
+
+
+def _copy(out: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(out, dst)
+    return dst
+
+
+def _where(out: Path, tensor: str) -> tuple[Path, int, int]:
+    """(shard path, absolute start, nbytes) of an output tensor."""
+    shard = out / json.loads((out / INDEX_FILE).read_text())["weight_map"][tensor]
+    info = read_header(shard).tensors[tensor]
+    return shard, info.start, info.nbytes
+
+
+def _poke(path: Path, offset: int, xor: int = 0x01, value: int | None = None) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([value if value is not None else old ^ xor]))
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(main, ["verify", "--no-progress", *map(str, args)])
+
+
+def _named(rep: VerifyReport, tensor: str) -> list[str]:
+    return [f.message for f in rep.failures if f.tensor == tensor]
+
+
+@pytest.mark.parametrize("case", CLEAN)
+def test_clean_conversion_verifies(converted, case, tmp_path):
+    src, out = converted(case)
+    report = tmp_path / "report.json"
+    res = _cli(out, "--json", report)
+    assert res.exit_code == 0, res.output
+    assert "OK: every check held" in res.output
+    data = json.loads(report.read_text())
+    assert data["ok"] and data["round_trip"] and data["hashed"] and not data["failures"]
+    assert all(t["checked"] == "round trip" for t in data["tensors"].values())
+    lossy = {n: t for n, t in data["tensors"].items() if t["error"]}
+    for name, t in lossy.items():
+        assert t["error"]["rel_fro"] <= t["bound"]["rel_fro"] and t["error"]["cosine"] >= t["bound"]["cosine"]
+        assert t["manifest_error"]["rel_fro"] == pytest.approx(t["error"]["rel_fro"], rel=1e-3)
+    kinds = {t["kind"] for t in data["tensors"].values()}
+    assert "passthrough" in kinds and ("lossless" in kinds or case == "base")
+    if case == "flash":  # the out-of-range MXFP4 blocks are counted and bounded
+        w13 = data["tensors"]["layers.0.ffn.experts.w13.weight"]
+        assert w13["kind"] == "lossy" and w13["inexact_blocks"] == 3 and w13["source_format"] == "mxfp4"
+    if case == "modelopt":
+        assert data["tensors"]["layers.1.ffn.experts.w13.input_scale"]["checked"] == "round trip"
+
+
+def test_structure_only_without_source(converted, tmp_path):
+    src, out = converted("flash")
+    out = _copy(out, tmp_path)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    manifest["source"]["path"] = str(tmp_path / "gone")
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    rep = verify_checkpoint(out, progress=False)
+    assert rep.ok and not rep.round_trip and rep.hashed
+    assert any("round trip skipped" in w for w in rep.warnings)
+    rep = verify_checkpoint(out, source=src, progress=False, fast=True)
+    assert rep.ok and rep.round_trip and not rep.hashed
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("case,tensor,pick", [
+    ("flash", "layers.1.ffn.experts.w13.weight", "middle"),   # MXFP4 codes
+    ("flash", "layers.1.ffn.experts.w2.weight_scale", "first-scale-of-expert-3"),
+    ("base", "layers.2.ffn.experts.w13.weight", "middle"),    # FP8 -> NVFP4 requantised codes
+    ("base", "layers.2.attn.wq_a.weight_scale", "first"),
+    ("modelopt", "layers.1.ffn.experts.w13.weight_scale", "first-scale-of-expert-3"),  # reconciled scales
+    ("modelopt", "layers.1.ffn.experts.w2.input_scale", "first"),
+    ("flash", "layers.0.attn_norm.weight", "middle"),          # passthrough
+    ("flash-keep", "layers.0.attn.wq_a.weight", "middle"),     # FP8 kept as is
+])
+def test_flipped_byte_is_found_and_named(converted, tmp_path, case, tensor, pick, fast):
+    _, out = converted(case)
+    out = _copy(out, tmp_path)
+    shard, start, nbytes = _where(out, tensor)
+    offset = {"middle": start + nbytes // 2, "first": start,
+              "first-scale-of-expert-3": start + 3 * (nbytes // read_header(shard).tensors[tensor].shape[0])}[pick]
+    _poke(shard, offset)
+    rep = verify_checkpoint(out, fast=fast, progress=False)
+    assert not rep.ok
+    assert _named(rep, tensor), [str(f) for f in rep.failures]
+    assert rep.tensors[tensor].ok is False
+    if not fast:
+        assert any(f.shard == shard.name and "sha256" in f.message for f in rep.failures)
+    res = _cli(out, *(["--fast"] if fast else []))
+    assert res.exit_code != 0 and tensor in res.output and "FAILED" in res.output
+
+
+def test_flipped_byte_without_source_is_caught_by_the_hash(converted, tmp_path):
+    src, out = converted("pro")
+    out = _copy(out, tmp_path)
+    shard, start, nbytes = _where(out, "layers.1.ffn.experts.w2.weight")
+    _poke(shard, start + nbytes // 3)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    manifest["source"]["path"] = str(tmp_path / "gone")
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    rep = verify_checkpoint(out, progress=False)
+    assert not rep.ok and any(f.shard == shard.name and "sha256" in f.message for f in rep.failures)
+
+
+def test_nan_scale_bad_padding_and_nan_alpha_found_without_source(converted, tmp_path):
+    _, out = converted("base")
+    out = _copy(out, tmp_path)
+    scale = "layers.1.ffn.experts.w2.weight_scale"
+    shard, start, nbytes = _where(out, scale)
+    _poke(shard, start + 5, value=0x7F)  # a NaN E4M3 byte in expert 0's real scales
+    alpha = "layers.2.attn.wq_a.alpha"
+    ashard, astart, _ = _where(out, alpha)
+    _poke(ashard, astart + 3, value=0x7F)  # float32 bits 0x7FC0.... = NaN
+    _poke(ashard, astart + 2, value=0xC0)
+    rep = verify_checkpoint(out, source=Path("/nonexistent-source-folder"), fast=True, progress=False)
+    assert any("NaN E4M3" in m for m in _named(rep, scale)), [str(f) for f in rep.failures]
+    assert any("finite and positive" in m for m in _named(rep, alpha))
+
+
+def test_swizzle_padding_must_be_zero(converted, tmp_path):
+    _, out = converted("padded")
+    assert verify_checkpoint(out, fast=True, progress=False).ok
+    out = _copy(out, tmp_path)
+    header_tensors = {n: i for f in out.glob("*.safetensors") for n, i in read_header(f).tensors.items()}
+    padded = None
+    for n, info in header_tensors.items():
+        if not n.endswith(".weight_scale"):
+            continue
+        w = header_tensors[n[: -len("_scale")]]
+        rows, kb = w.shape[-2], w.shape[-1] * 2 // 16
+        if swizzled_shape(rows, kb) != (rows, kb):
+            padded, geom = n, (rows, kb)
+            break
+    assert padded is not None, "expected a padded scale tensor"
+    name = padded
+    shard, start, nbytes = _where(out, name)
+    rows, kb = geom
+    rp, kp = swizzled_shape(rows, kb)
+    # Offset of a padding element (row rows if rows < rp, else column kb) in the swizzled layout.
+    m, c = (rows, 0) if rows < rp else (0, kb)
+    off = ((m // 128) * (kp // 4) + c // 4) * 512 + (m % 32) * 16 + ((m // 32) % 4) * 4 + c % 4
+    _poke(shard, start + off, value=0x38)
+    rep = verify_checkpoint(out, fast=True, progress=False)
+    assert any("padding" in m for m in _named(rep, name)), [str(f) for f in rep.failures]
+
+
+def test_missing_and_truncated_shards_are_named(converted, tmp_path):
+    _, out = converted("flash")
+    out = _copy(out, tmp_path)
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    shards[1].unlink()
+    with open(shards[2], "r+b") as f:
+        f.truncate(os.path.getsize(shards[2]) - 100)
+    for fast in (False, True):
+        rep = verify_checkpoint(out, fast=fast, progress=False)
+        assert not rep.ok
+        msgs = {f.shard: f.message for f in rep.failures if f.tensor is None}
+        assert "missing" in msgs.get(shards[1].name, ""), [str(f) for f in rep.failures]
+        assert any(f.shard == shards[2].name and "truncated" in f.message for f in rep.failures)
+    res = _cli(out, "--fast")
+    assert res.exit_code != 0 and shards[1].name in res.output and shards[2].name in res.output
+
+
+def test_stray_shard_and_index_disagreement(converted, tmp_path):
+    _, out = converted("modelopt")
+    out = _copy(out, tmp_path)
+    shutil.copy(next(out.glob("model-*.safetensors")), out / "model-00009-of-00009.safetensors")
+    index = json.loads((out / INDEX_FILE).read_text())
+    victim = "layers.0.ffn.gate.weight"
+    del index["weight_map"][victim]
+    (out / INDEX_FILE).write_text(json.dumps(index))
+    rep = verify_checkpoint(out, fast=True, progress=False)
+    assert any(f.shard == "model-00009-of-00009.safetensors" and "stray" in f.message for f in rep.failures)
+    assert _named(rep, victim)
+
+
+def test_manifest_error_record_and_bounds_are_enforced(converted, tmp_path, monkeypatch):
+    _, out = converted("base")
+    out = _copy(out, tmp_path)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    name = "layers.0.attn.wq_a.weight"
+    manifest["tensors"][name]["error"]["rel_fro"] *= 0.5
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    rep = verify_checkpoint(out, fast=True, progress=False)
+    assert any("manifest records rel_fro" in m for m in _named(rep, name))
+    monkeypatch.setitem(verify_roundtrip.BOUNDS, "fp8", verify_roundtrip.Bound(rel_fro=0.05, cosine=0.98))
+    rep = verify_checkpoint(out, fast=True, progress=False)
+    assert any("exceeds the bound" in m for m in _named(rep, "layers.1.attn.wkv.weight"))
+
+
+def test_lossless_claim_is_checked(converted, tmp_path):
+    _, out = converted("flash")
+    out = _copy(out, tmp_path)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    name = "layers.0.ffn.experts.w13.weight"  # has 3 out-of-range blocks, so it is lossy
+    manifest["tensors"][name]["lossless"] = True
+    manifest["tensors"][name].pop("error")
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    rep = verify_checkpoint(out, fast=True, progress=False)
+    assert any("lossless=True" in m for m in _named(rep, name))
