@@ -83,7 +83,7 @@ class Journal:
         with self.lock:
             data = {"identity": self.identity, "source_sha256": dict(sorted(self.source_sha256.items())),
                     "shards": dict(sorted(self.shards.items())), "units": self.units}
-            write_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+            write_atomic(self.path, json.dumps(data, indent=1).encode())  # key order kept: the manifest repeats it
 
     def add_unit(self, key: str, results: dict) -> None:
         with self.lock:
