@@ -218,6 +218,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "compress_ratios": [0, 4, 128, 0],
         "n_routed_experts": 64,
     },
+    # flash-layer with twice the experts (~7.5 GB): the converter's peak-memory check (bench/convert_bench.py).
+    "flash-layer-2x": {
+        "vocab_size": 8192,
+        "num_hidden_layers": 3,
+        "num_hash_layers": 1,
+        "compress_ratios": [0, 4, 128, 0],
+        "n_routed_experts": 128,
+    },
 }
 
 #: Extra overrides for ``variant="pro"`` per preset (V4-Pro vs Flash: ~1.5x experts and
