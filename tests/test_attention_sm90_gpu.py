@@ -1,0 +1,126 @@
+"""GPU checks of the SM90 decode attention against the float32 PyTorch reference.
+
+Random data drawn fresh per case, outputs poisoned with NaN before each run, windows partly filled,
+top-k lists shorter than k (-1 padding scattered, not only at the tail), repeated indices, heads 64 and
+128, window-only / CSA (indexed) / HCA (dense) forms, one split and several (combine kernel).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nvfp4_megamoe.kernels.decode_attention_reference import decode_attention_reference
+from nvfp4_megamoe.kernels.indexer_reference import indexer_scores, select_topk
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_90a)"),
+]
+
+SCALE = 512 ** -0.5
+
+
+def make_case(b: int, h: int, n: int, k: int | None, mode: str, seed: int, w: int = 128):
+    """Inputs on the GPU. ``k``: indices per request (CSA); some requests get fewer (-1 padding)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    q = torch.randn(b, h, 512, device=dev, generator=gen).bfloat16()
+    kvw = torch.randn(b, w, 512, device=dev, generator=gen).bfloat16()
+    wlen = torch.randint(1, w + 1, (b,), device=dev, generator=gen, dtype=torch.int32)
+    wlen[0] = w                                                     # one full ring, the rest partly filled
+    kvc = idx = None
+    if mode != "window":
+        kvc = torch.randn(b, n, 512, device=dev, generator=gen).bfloat16()
+    if mode == "indexed":
+        idx = torch.argsort(torch.rand(b, n, device=dev, generator=gen), dim=1)[:, :k].int()
+        lengths = torch.randint(0, k + 1, (b,), device=dev, generator=gen)
+        lengths[0] = k
+        pad = torch.arange(k, device=dev)[None] >= lengths[:, None]
+        # scatter the padding: permute each row so -1 entries are not only at the tail
+        perm = torch.argsort(torch.rand(b, k, device=dev, generator=gen), dim=1)
+        idx = torch.gather(idx.masked_fill(pad, -1), 1, perm).contiguous()
+        if b > 1 and k > 4:
+            idx[1, 1] = idx[1, 0] if idx[1, 0] >= 0 else idx[1, 1]  # a repeated entry counts twice
+    sink = torch.randn(h, device=dev, generator=gen) * 2
+    return q, kvw, wlen, kvc, idx, sink
+
+
+def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+CASES = [  # b, h, n (compressed entries), k (indices), mode, splits (None: heuristic)
+    (1, 64, 1024, 512, "indexed", None),
+    (3, 64, 700, 512, "indexed", 1),
+    (5, 128, 2000, 1024, "indexed", None),
+    (2, 128, 300, 100, "indexed", 4),
+    (8, 64, 0, None, "window", None),
+    (2, 128, 0, None, "window", 1),
+    (4, 64, 512, None, "dense", None),
+    (2, 128, 8192, None, "dense", None),
+    (33, 64, 32, None, "dense", 1),
+    (16, 128, 777, 512, "indexed", None),
+]
+
+
+@pytest.mark.parametrize("b,h,n,k,mode,splits", CASES)
+def test_decode_attention_matches_reference(b, h, n, k, mode, splits):
+    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
+    q, kvw, wlen, kvc, idx, sink = make_case(b, h, n, k, mode, seed=b * 1000 + h + n)
+    ref = decode_attention_reference(q, kvw, wlen, kvc, idx, sink, SCALE)
+    out = torch.full((b, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, splits=splits)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) outputs remain"
+    err = relerr(out, ref)
+    assert err < 1e-2, f"relative error {err:.3e}"
+
+
+def test_all_masked_gives_zero_and_sink_only():
+    """No valid entry at all: the sink takes all the mass, the output is 0 (not NaN)."""
+    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
+    q, kvw, wlen, kvc, idx, sink = make_case(2, 64, 256, 64, "indexed", seed=7)
+    wlen.zero_()
+    idx.fill_(-1)
+    for splits in (1, 3):
+        out = torch.full((2, 64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, splits=splits)
+        torch.cuda.synchronize()
+        assert bool((out == 0).all())
+
+
+def test_graph_capture_replays():
+    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
+    q, kvw, wlen, kvc, idx, sink = make_case(4, 64, 1024, 512, "indexed", seed=11)
+    out = torch.empty(4, 64, 512, dtype=torch.bfloat16, device="cuda")
+    decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out)             # warm-up: compile + workspaces
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out)
+    q.copy_(torch.randn_like(q, dtype=torch.float32).bfloat16())
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relerr(out, decode_attention_reference(q, kvw, wlen, kvc, idx, sink, SCALE)) < 1e-2
+
+
+@pytest.mark.parametrize("b,n,k", [(4, 1024, 512), (2, 5000, 1024), (3, 300, 512)])
+def test_indexer_topk_gpu(b, n, k):
+    from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_topk
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    q = torch.randn(b, 64, 128, device="cuda", generator=gen).bfloat16()
+    keys = torch.randn(b, n, 128, device="cuda", generator=gen).bfloat16()
+    wts = torch.randn(b, 64, device="cuda", generator=gen)
+    nv = torch.randint(1, n + 1, (b,), device="cuda", generator=gen)
+    got = indexer_topk(q, keys, wts, k, nv)
+    scores = indexer_scores(q[:, None], keys, wts[:, None])[:, 0]             # float32 reference
+    visible = torch.arange(n, device="cuda")[None] < nv[:, None]
+    want = select_topk(scores[:, None], visible[:, None], k)[:, 0]
+    for i in range(b):
+        sel = got[i][got[i] >= 0].long()
+        assert len(sel) == int(want[i].sum()) == min(k, int(nv[i]))
+        assert len(set(sel.tolist())) == len(sel) and bool(visible[i, sel].all())
+        # same set up to near-ties at the cut: every pick scores at least the reference's k-th best
+        kth = scores[i][want[i]].min()
+        assert float(scores[i, sel].min()) >= float(kth) - 1e-4 * float(scores[i].abs().max())
