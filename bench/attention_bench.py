@@ -1,0 +1,266 @@
+"""Benchmark DeepSeek-V4 decode attention (SWA ring + compressed entries + sink) on the GPU.
+
+Shapes: V4-Flash (64 heads, CSA top-k 512) and V4-Pro (128 heads, top-k 1024); batch 1, 8, 32, 128;
+context 4K, 64K, 1M. Per (model, batch, context) two layer kinds:
+* CSA: full 128-slot window + top-k compressed entries gathered by index (min(k, ctx/4) valid);
+  indices are distinct, uniformly drawn from a pool of ``min(ctx/4, max(2k, 65536 / B))`` entries per
+  request (the kernel reads the same bytes as with the full ctx/4 pool; the pool is not cached: see below);
+* HCA: full window + all ctx/128 compressed entries.
+
+Implementations: ``ours`` (``kernels/sm90_decode_attention.decode_attention``) and ``torch`` (gather +
+BF16 bmm + float32 softmax with the sink column + bmm: ``decode_attention_torch``). Each is captured in
+a CUDA graph and replayed with a cold L2 (a 512 MiB buffer is rewritten before every timed replay);
+the median of ``--reps`` replays is reported. ``floor`` = (q + KV entries read + out) bytes / the
+copy bandwidth measured at start (read + write bytes of a 1 GiB device copy). Every configuration
+also checks ours against the torch baseline (relative error).
+
+The lightning indexer top-k (``kernels/sm90_attention_indexer.indexer_topk``, torch) is timed the same
+way at 64 index heads x 128 dims over ctx/4 keys; its floor is the key bytes over the copy bandwidth.
+
+    python bench/attention_bench.py --out docs/attention_bench.json
+    python bench/attention_bench.py --plot docs/attention_bench.json docs/attention_bench.png   # no GPU needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+MODELS = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}
+BATCHES = (1, 8, 32, 128)
+CONTEXTS = (4096, 65536, 1 << 20)
+WINDOW = 128
+D = 512
+SCALE = D ** -0.5
+
+
+def measure_copy() -> float:
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ts = []
+    for _ in range(10):
+        ev[0].record(); b.copy_(a); ev[1].record(); torch.cuda.synchronize()
+        ts.append(ev[0].elapsed_time(ev[1]) * 1e-3)
+    return 2 * n / statistics.median(ts)
+
+
+class ColdTimer:
+    def __init__(self):
+        self.flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+        self.ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+
+    def time(self, graph: torch.cuda.CUDAGraph, reps: int) -> float:
+        """Median microseconds of one replay, L2 flushed before each."""
+        ts = []
+        for _ in range(reps):
+            self.flush.fill_(1)
+            self.ev[0].record(); graph.replay(); self.ev[1].record()
+            torch.cuda.synchronize()
+            ts.append(self.ev[0].elapsed_time(self.ev[1]) * 1e3)
+        return statistics.median(ts)
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    fn(); torch.cuda.synchronize()                      # compile / allocate outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def make_inputs(b: int, h: int, kind: str, ctx: int, top_k: int, gen: torch.Generator) -> dict:
+    dev = "cuda"
+    q = torch.randn(b, h, D, device=dev, generator=gen).bfloat16()
+    kvw = torch.randn(b, WINDOW, D, device=dev, generator=gen).bfloat16()
+    wlen = torch.full((b,), WINDOW, dtype=torch.int32, device=dev)
+    sink = torch.randn(h, device=dev, generator=gen)
+    if kind == "CSA":
+        k = min(top_k, ctx // 4)
+        pool = min(ctx // 4, max(2 * top_k, 65536 // b))
+        kvc = torch.randn(b, pool, D, device=dev, generator=gen).bfloat16()
+        idx = torch.argsort(torch.rand(b, pool, device=dev, generator=gen), dim=1)[:, :k].int().contiguous()
+        entries = k
+    else:
+        n = ctx // 128
+        kvc = torch.randn(b, n, D, device=dev, generator=gen).bfloat16()
+        idx = None
+        entries = n
+    return dict(q=q, kvw=kvw, wlen=wlen, kvc=kvc, idx=idx, sink=sink, entries=entries)
+
+
+def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
+    from nvfp4_megamoe.kernels.decode_attention_reference import decode_attention_torch
+    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for model, (h, top_k) in MODELS.items():
+        for ctx in args.contexts:
+            for b in args.batches:
+                for kind in ("CSA", "HCA"):
+                    x = make_inputs(b, h, kind, ctx, top_k, gen)
+                    out = torch.empty(b, h, D, dtype=torch.bfloat16, device="cuda")
+                    ours = lambda: decode_attention(x["q"], x["kvw"], x["wlen"], x["kvc"], x["idx"], x["sink"],  # noqa: E731
+                                                    SCALE, out=out)
+                    ref_out = {}
+
+                    def torch_fn():
+                        ref_out["o"] = decode_attention_torch(x["q"], x["kvw"], x["wlen"], x["kvc"], x["idx"],
+                                                              x["sink"], SCALE)
+                    nbytes = (2 * b * h * D + b * (WINDOW + x["entries"]) * D) * 2
+                    row = dict(model=model, heads=h, batch=b, context=ctx, kind=kind, entries=WINDOW + x["entries"],
+                               bytes=nbytes, floor_us=nbytes / copy_bw * 1e6)
+                    try:
+                        g = capture(ours)
+                        row["ours_us"] = timer.time(g, args.reps)
+                        del g
+                    except Exception as e:  # noqa: BLE001
+                        row["ours_error"] = repr(e)[:300]
+                    try:
+                        g = capture(torch_fn)
+                        row["torch_us"] = timer.time(g, max(3, args.reps // 2))
+                        del g
+                    except Exception as e:  # noqa: BLE001
+                        row["torch_error"] = repr(e)[:300]
+                    if "ours_us" in row and "o" in ref_out:
+                        ours()
+                        torch.cuda.synchronize()
+                        r = ref_out["o"].double()
+                        row["relerr_vs_torch"] = float((out.double() - r).norm() / r.norm())
+                    if "ours_us" in row:
+                        row["frac_of_copy_bw"] = row["floor_us"] / row["ours_us"]
+                        row["ours_TBps"] = nbytes / row["ours_us"] * 1e-6
+                    if "ours_us" in row and "torch_us" in row:
+                        row["speedup_vs_torch"] = row["torch_us"] / row["ours_us"]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    del x, out, ref_out
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_indexer(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
+    from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_topk
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for ctx in args.contexts:
+        for b in args.batches:
+            n = ctx // 4
+            if b * n * 64 * 4 > (16 << 30):        # the [B, 64, N] float32 intermediate past 16 GiB: skip
+                continue
+            for top_k in (512, 1024):
+                q = torch.randn(b, 64, 128, device="cuda", generator=gen).bfloat16()
+                keys = torch.randn(b, n, 128, device="cuda", generator=gen).bfloat16()
+                w = torch.randn(b, 64, device="cuda", generator=gen)
+                nbytes = keys.numel() * 2
+                row = dict(batch=b, context=ctx, keys=n, top_k=top_k, bytes=nbytes, floor_us=nbytes / copy_bw * 1e6)
+                try:
+                    g = capture(lambda: indexer_topk(q, keys, w, top_k))
+                    row["torch_us"] = timer.time(g, max(3, args.reps // 2))
+                    row["frac_of_copy_bw"] = row["floor_us"] / row["torch_us"]
+                    del g
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[:300]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                del q, keys, w
+                torch.cuda.empty_cache()
+    return rows
+
+
+def table(res: dict) -> str:
+    lines = [f"copy bandwidth {res['copy_bytes_per_s'] / 1e12:.2f} TB/s on {res['device']}",
+             f"{'model':9} {'B':>4} {'ctx':>8} {'kind':4} {'entries':>7} {'floor us':>9} {'ours us':>9} "
+             f"{'torch us':>9} {'%copy':>6} {'x torch':>8} {'err':>8}"]
+    for r in res["attention"]:
+        lines.append(f"{r['model']:9} {r['batch']:4d} {r['context']:8d} {r['kind']:4} {r['entries']:7d} "
+                     f"{r['floor_us']:9.1f} {r.get('ours_us', float('nan')):9.1f} {r.get('torch_us', float('nan')):9.1f} "
+                     f"{100 * r.get('frac_of_copy_bw', float('nan')):6.1f} {r.get('speedup_vs_torch', float('nan')):8.1f} "
+                     f"{r.get('relerr_vs_torch', float('nan')):8.1e}")
+    lines.append(f"{'indexer':9} {'B':>4} {'ctx':>8} {'k':>5} {'floor us':>9} {'torch us':>9} {'%copy':>6}")
+    for r in res.get("indexer", []):
+        lines.append(f"{'':9} {r['batch']:4d} {r['context']:8d} {r['top_k']:5d} {r['floor_us']:9.1f} "
+                     f"{r.get('torch_us', float('nan')):9.1f} {100 * r.get('frac_of_copy_bw', float('nan')):6.1f}")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = res["attention"]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), sharey="row")
+    for j, model in enumerate(MODELS):
+        for i, kind in enumerate(("CSA", "HCA")):
+            ax = axes[i, j]
+            sel = [r for r in rows if r["model"] == model and r["kind"] == kind and "ours_us" in r]
+            labels = [f"B{r['batch']}\n{r['context'] // 1024}K" for r in sel]
+            xs = range(len(sel))
+            ax.plot(xs, [r["ours_us"] for r in sel], "o-", label="ours (CuTeDSL sm_90a)")
+            ax.plot(xs, [r.get("torch_us", float("nan")) for r in sel], "s-", label="torch gather + bmm")
+            ax.plot(xs, [r["floor_us"] for r in sel], "k--", label="floor: bytes / copy BW")
+            ax.set_yscale("log")
+            ax.set_xticks(list(xs), labels, fontsize=7)
+            ax.set_title(f"{model} ({sel[0]['heads'] if sel else ''} heads), {kind}")
+            ax.grid(True, which="both", alpha=0.3)
+            if i == 1:
+                ax.set_xlabel("batch / context")
+            if j == 0:
+                ax.set_ylabel("us per decode step (one layer)")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"DeepSeek-V4 decode attention on {res['device']} (cold L2, CUDA graph)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="attention_bench.json")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
+    p.add_argument("--contexts", type=int, nargs="*", default=list(CONTEXTS))
+    p.add_argument("--no-indexer", action="store_true")
+    p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="only draw the plot of a results file")
+    args = p.parse_args()
+    if args.plot:
+        with open(args.plot[0]) as f:
+            res = json.load(f)
+        plot(res, args.plot[1])
+        print(table(res))
+        return
+    t0 = time.time()
+    copy_bw = measure_copy()
+    timer = ColdTimer()
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=copy_bw,
+               reps=args.reps)
+    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    res["attention"] = bench_attention(args, copy_bw, timer)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    if not args.no_indexer:
+        res["indexer"] = bench_indexer(args, copy_bw, timer)
+    res["wall_s"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(table(res))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
