@@ -272,10 +272,14 @@ class _Verifier:
 
     def run_job(self, kind: str, name: str) -> _JobResult:
         res = _JobResult()
-        if kind == "group":
-            self.group(name, res)
-        else:
-            self.copy(name, res)
+        try:
+            if kind == "group":
+                self.group(name, res)
+            else:
+                self.copy(name, res)
+        except Exception as exc:  # noqa: BLE001 - any surprise is a failure of this tensor, not a crash
+            tensor = name + (".weight" if kind == "group" else "")
+            res.failures.append((tensor, self.lay.shard_of.get(tensor), f"could not be checked: {exc}"))
         return res
 
     def _problems(self, per_tensor: dict[str, list[str]], res: _JobResult) -> None:
@@ -312,7 +316,7 @@ class _Verifier:
             if unit is not None:
                 packed = self.reader.read(names["weight"], e)
                 CHECKS[unit.fmt](Item(e, packed, scales, alpha, names), unit.members[e or 0], self.src.read, acc)
-                if inp is not None:
+                if inp is not None and inp.name in self.reader.info:
                     self.input_scale(inp.name, e, unit.members[e or 0], found, res)
             self.tick(scales.numel() + (w_info.nbytes // len(items) if unit is not None else 0))
         for tensor, msg in acc.problems:

@@ -29,11 +29,11 @@ from typing import Callable
 
 import torch
 
-from nvfp4_megamoe.kernels.e2m1 import decode_e2m1, encode_e2m1, unpack_nibbles
+from nvfp4_megamoe.kernels.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
 from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize
 from nvfp4_megamoe.kernels.mxfp4 import MX_BLOCK, dequantize_mxfp4
 from nvfp4_megamoe.kernels.nvfp4 import BLOCK, block_scales_for, dequantize_nvfp4, encode_nvfp4, global_scale_for
-from nvfp4_megamoe.kernels.scales import E4M3_MIN_SUBNORMAL, decode_e4m3, decode_e8m0, encode_e4m3
+from nvfp4_megamoe.kernels.scales import E4M3_MIN_SUBNORMAL, decode_e4m3, encode_e4m3
 
 from .stats import ErrorStats
 from .transforms import effective_scales, from_kernel_layout
@@ -119,13 +119,28 @@ def _parts(item: Item, parts: int) -> tuple[list[torch.Tensor], list[torch.Tenso
 PART_NAMES = {1: (None,), 2: ("w1 (gate)", "w3 (up)")}
 
 
+def _nonzero_32blocks(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] packed codes -> bool [..., K/32]: does the 32-block hold a non-zero value (+-0 are zero)?"""
+    masked = (packed.view(torch.uint8) & 0x77).contiguous()
+    words = masked.view(torch.int64).reshape(*masked.shape[:-1], -1, 2)
+    return (words[..., 0] | words[..., 1]) != 0
+
+
+# E4M3 byte of 2**j for j = -9..8 (index j + 9): the only scale bytes an exact MXFP4 cast can hold.
+_POW2_E4M3 = encode_e4m3(torch.exp2(torch.arange(E4M3_POW2_MIN, E4M3_POW2_MAX + 1, dtype=torch.float32)))
+
+
 def check_mxfp4(item: Item, sources: list[dict[str, str]], read: SourceReader, acc: UnitCheck) -> None:
-    """Official MXFP4 -> NVFP4: codes and effective scales bit-exact, fallback blocks bounded."""
+    """Official MXFP4 -> NVFP4: codes and effective scales bit-exact, fallback blocks bounded.
+
+    With ``alpha = 2**m`` checked first, ``e4m3 * alpha == 2**k`` is the same as the scale byte
+    being the E4M3 byte of ``2**(k - m)``, so scales are compared as bytes.
+    """
     parts = len(sources)
     packed, scales = _parts(item, parts)
     src_w = [read(p["weight"]).view(torch.uint8) for p in sources]
     src_s = [read(p["scale"]).view(torch.uint8) for p in sources]
-    nonzero = [((unpack_nibbles(w) & 0x7) != 0).reshape(*w.shape[:-1], -1, MX_BLOCK).any(-1) for w in src_w]
+    nonzero = [_nonzero_32blocks(w) for w in src_w]
     k = [s.to(torch.int32) - 127 for s in src_s]
     tops = [int(kk[nz].max()) for kk, nz in zip(k, nonzero) if nz.any()]
     m = max(tops) - E4M3_POW2_MAX if tops else 0
@@ -138,27 +153,26 @@ def check_mxfp4(item: Item, sources: list[dict[str, str]], read: SourceReader, a
     for j, name in enumerate(PART_NAMES[parts]):
         rel = k[j] - m
         out_of_range = nonzero[j] & (rel < E4M3_POW2_MIN)
-        codes = unpack_nibbles(src_w[j])
+        expected = src_w[j]
         if out_of_range.any():
+            codes = unpack_nibbles(src_w[j])
             blocks = codes.reshape(*codes.shape[:-1], -1, MX_BLOCK)
             shift = torch.exp2((rel - E4M3_POW2_MIN).clamp(max=0).float()).unsqueeze(-1)
             requant = encode_e2m1(decode_e2m1(blocks) * shift)
-            codes = torch.where(out_of_range.unsqueeze(-1), requant, blocks).reshape(codes.shape)
-        bad = unpack_nibbles(packed[j]) != codes
+            expected = pack_nibbles(torch.where(out_of_range.unsqueeze(-1), requant, blocks).reshape(codes.shape))
+        bad = packed[j] != expected
         if bad.any():
-            acc.problem(item.names["weight"], f"{_count(bad)} E2M1 codes{item.where(name)} differ from "
+            acc.problem(item.names["weight"], f"{_count(bad)} packed E2M1 bytes{item.where(name)} differ from "
                         f"{sources[j]['weight']} ({_first_diff(bad)})")
-        eff = effective_scales(scales[j], want_alpha)  # a wrong alpha is reported once, above
-        want = decode_e8m0(src_s[j]).double().repeat_interleave(2, dim=-1)
+        want = _POW2_E4M3[(rel.clamp(E4M3_POW2_MIN, E4M3_POW2_MAX) - E4M3_POW2_MIN).long()].repeat_interleave(2, -1)
         exact = (nonzero[j] & ~out_of_range).repeat_interleave(2, dim=-1)
-        bad = exact & (eff != want)
+        bad = exact & (scales[j] != want)
         if bad.any():
             acc.problem(item.names["weight_scale"], f"{_count(bad)} effective scales{item.where(name)} differ from "
                         f"2**(e8m0-127) of {sources[j]['scale']} ({_first_diff(bad)})")
         if out_of_range.any():
             inexact_here += _count(out_of_range)
-            fb = out_of_range.repeat_interleave(2, dim=-1)
-            bad = fb & (eff != E4M3_MIN_SUBNORMAL * want_alpha)
+            bad = out_of_range.repeat_interleave(2, dim=-1) & (scales[j] != _POW2_E4M3[0])
             if bad.any():
                 acc.problem(item.names["weight_scale"], f"{_count(bad)} out-of-range blocks{item.where(name)} do not "
                             f"hold the fallback scale 2**-9 ({_first_diff(bad)})")

@@ -252,3 +252,21 @@ def test_lossless_claim_is_checked(converted, tmp_path):
     (out / MANIFEST_FILE).write_text(json.dumps(manifest))
     rep = verify_checkpoint(out, fast=True, progress=False)
     assert any("lossless=True" in m for m in _named(rep, name))
+
+
+def test_not_a_conversion(converted):
+    src, _ = converted("modelopt")
+    rep = verify_checkpoint(src, progress=False)
+    assert not rep.ok and "nvfp4_manifest.json" in str(rep.failures[0])
+    res = _cli(src)
+    assert res.exit_code != 0 and "not a converted checkpoint" in res.output
+
+
+def test_header_shape_tampering_is_a_named_failure(converted, tmp_path):
+    _, out = converted("modelopt")
+    out = _copy(out, tmp_path)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    manifest["tensors"]["layers.1.ffn.experts.w2.weight"]["transform"] = ["copy"]
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    rep = verify_checkpoint(out, fast=True, progress=False)
+    assert any("differ from the plan" in m for m in _named(rep, "layers.1.ffn.experts.w2.weight"))
