@@ -142,6 +142,85 @@ def quack_layer(w: dict, h: int, i: int, k: int):
     return build
 
 
+def moe_align_block_size_torch(ids: torch.Tensor, experts: int, block: int):
+    """vLLM's ``moe_align_block_size`` contract in torch ops, fixed sizes (graph-capturable, no host sync).
+
+    ``sorted_ids`` int32 [P + E*(block-1)]: the flat pair indices (t*k + j) grouped by expert, each
+    expert's run padded to a multiple of ``block`` with the sentinel P; ``expert_ids`` int32 [blocks]:
+    the expert of each block (blocks past the end repeat the last expert, their ids are all sentinel);
+    ``num_tokens_padded`` int32 [1]: the padded length used.
+    """
+    flat = ids.reshape(-1).long()
+    p = flat.numel()
+    cap = p + experts * (block - 1)
+    counts = torch.zeros(experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block - 1) // block * block
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    raw_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    dest = pad_start[e_sorted] + torch.arange(p, device=ids.device) - raw_start[e_sorted]
+    sorted_ids = torch.full((cap,), p, dtype=torch.int32, device=ids.device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    blocks = torch.arange(cap // block, device=ids.device) * block
+    expert_ids = torch.searchsorted(pad_end, blocks, right=True).clamp_(max=experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, pad_end[-1:].to(torch.int32)
+
+
+def humming_layer(w: dict, h: int, i: int, e: int, k: int):
+    """humming anchor, driven as vLLM's ``HummingIndexedExperts`` does: NVFP4 weights as a
+    ``HummingWeightSchema`` (float4e2m1, float8e4m3 group-16 scales, per-expert tensor scale_2),
+    ``HummingMethod.prepare_layer_meta`` + ``transform_humming_layer`` per sublayer, the tuning list from
+    ``get_heuristics_config`` (indexed GEMM), ``moe_align_block_size`` tables for the block size it picks
+    at T*k rows, two ``forward_layer`` calls, SwiGLU and the weighted top-k sum in torch."""
+    import json as _json
+
+    from humming import dtypes
+    from humming.layer import HummingMethod
+    from humming.schema import HummingWeightSchema
+
+    from nvfp4_megamoe.kernels.swizzle import unswizzle_block_scales
+
+    schema = HummingWeightSchema(b_dtype=dtypes.float4e2m1, bs_dtype=dtypes.float8e4m3, weight_scale_group_size=16,
+                                 weight_scale_type="group", weight_scale_2_type="tensor")
+    layer = torch.nn.Module()
+    for name, n, kk in (("w13", 2 * i, h), ("w2", h, i)):
+        scale = torch.stack([unswizzle_block_scales(w[name + "_scale"][j], n, kk // 16) for j in range(e)])
+        for suffix, t in (("weight", w[name].view(torch.int32)), ("weight_scale", scale.view(torch.float8_e4m3fn)),
+                          ("weight_scale_2", w[name + "_alpha"].float())):
+            setattr(layer, f"{name}_{suffix}", torch.nn.Parameter(t.contiguous(), requires_grad=False))
+        HummingMethod.prepare_layer_meta(layer, shape_n=n, shape_k=kk, weight_schema=schema, num_experts=e,
+                                         torch_dtype=torch.bfloat16, sublayer_name=name)
+        HummingMethod.transform_humming_layer(layer, sublayer_name=name)
+    tune = {name: HummingMethod.get_default_tuning_configs(layer, gemm_type="indexed", sublayer_name=name)
+            for name in ("w13", "w2")}
+    compute = _json.dumps({"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"})
+    tune_str = {name: _json.dumps(v) for name, v in tune.items()}
+
+    def build(x, ids, wts, out):
+        t = x.shape[0]
+        valid = t * k
+        block = next(cfg["block_shape"][0] for lo, hi, cfg in tune["w13"] if lo < valid <= hi)
+        gate_up = torch.empty(valid, 2 * i, dtype=torch.bfloat16, device=x.device)
+        down = torch.empty(valid, h, dtype=torch.bfloat16, device=x.device)
+
+        def run():
+            sorted_ids, expert_ids, ntp = moe_align_block_size_torch(ids, e, block)
+            common = dict(sorted_ids=sorted_ids, expert_ids=expert_ids, num_tokens_padded=ntp, valid_shape_m=valid,
+                          compute_config=compute)
+            HummingMethod.forward_layer(layer, inputs=x, outputs=gate_up, top_k=k, tuning_config=tune_str["w13"],
+                                        sublayer_name="w13", **common)
+            y = gate_up.view(valid, -1, 2, 8).float()
+            gate, up = y[:, :, 0].reshape(valid, -1), y[:, :, 1].reshape(valid, -1)
+            act = (torch.nn.functional.silu(gate.clamp(max=LIMIT)) * up.clamp(-LIMIT, LIMIT)).to(torch.bfloat16)
+            HummingMethod.forward_layer(layer, inputs=act, outputs=down, top_k=1, tuning_config=tune_str["w2"],
+                                        sublayer_name="w2", **common)
+            out.copy_((down.view(t, k, h).float() * wts[:, :, None]).sum(1))
+        return run
+    return build
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
@@ -151,6 +230,7 @@ def main() -> None:
     ap.add_argument("--out", default="moe_bench.json")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--variant-max-tokens", type=int, default=1 << 30)
+    ap.add_argument("--ours-tuning", default="{}", help="JSON tuning of the main configuration of ours")
     ap.add_argument("--variants", default="{}", help='JSON {"ours_name": {tuning kwargs}} of extra configurations of ours')
     args = ap.parse_args()
     base_impls = args.impls.split(",")
@@ -166,11 +246,16 @@ def main() -> None:
         gen = torch.Generator(device="cuda").manual_seed(0)
         w = random_moe_weights(e, h, i, generator=gen, device="cuda")
         per_expert = (w["w13"][0].numel() + w["w13_scale"][0].numel() + w["w2"][0].numel() + w["w2_scale"][0].numel())
-        layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=max(tokens))
+        layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=max(tokens),
+                             tuning=json.loads(args.ours_tuning))
         w13b = w2b = None
         quack = None
+        humming = None
         variants = {}
+        variant_tokens = {}
         for name, tune in json.loads(args.variants).items():
+            tune = dict(tune)
+            variant_tokens[name] = tune.pop("_tokens", None)  # the T values this variant runs at (None: all)
             variants[name] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT,
                                           max_tokens=max(tokens), tuning=tune)
             impls = [m for m in impls if m != name] + [name]
@@ -191,7 +276,8 @@ def main() -> None:
                    "floor_bytes_us": floor_bytes * 1e6, "floor_flops_us": floor_flops * 1e6}
             outs = {}
             for impl in impls:
-                if impl in variants and t > args.variant_max_tokens:
+                if impl in variants and (t > args.variant_max_tokens
+                                         or (variant_tokens[impl] is not None and t not in variant_tokens[impl])):
                     continue
                 out = torch.full((t, h), float("nan"), device="cuda")
                 try:
@@ -201,6 +287,15 @@ def main() -> None:
                     elif impl == "torch_bf16":
                         run = torch_bf16_layer(w13b, w2b, e, k)
                         fn = lambda: run(x, ids, wts, out)  # noqa: E731
+                    elif impl == "humming":
+                        if humming is None:
+                            try:
+                                humming = humming_layer(w, h, i, e, k)
+                            except Exception as exc:  # set-up failed: report it at every T, try once
+                                humming = exc
+                        if isinstance(humming, Exception):
+                            raise humming
+                        fn = humming(x, ids, wts, out)
                     elif impl == "quack":
                         if quack is None:
                             quack = quack_layer(w, h, i, k)
@@ -222,6 +317,8 @@ def main() -> None:
                               for m in impls if m + "_us" in row)
             print(f"{model:8s} T={t:5d} experts={touched:3d} floor={row['floor_us']:7.1f}us  {cells}", flush=True)
         results["models"][model] = rows
+        with open(args.out, "w") as f:  # after each model, so a cut-short run keeps what it measured
+            json.dump(results, f, indent=1)
         del w, w13b, w2b, layer
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:

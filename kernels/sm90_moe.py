@@ -22,9 +22,11 @@ import torch
 
 from .sm90_moe_gemm import Sm90Nvfp4GroupedGemm
 from .sm90_moe_routing import Sm90MoeRouting, max_tiles_for
+from .sm90_moe_wgmma import WGMMA_TILE_TOKENS, Sm90Nvfp4WgmmaGemm
 from .swizzle import swizzled_nbytes
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)
+WGMMA_MIN_MEAN = 8.0  # mean routed pairs per expert from which the WGMMA (prefill) kernels run
 _COMPILED: dict[tuple, Callable] = {}
 
 
@@ -35,6 +37,20 @@ def pick_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
         if 2 * mean <= bn:
             return bn
     return TILE_TOKEN_CHOICES[-1]
+
+
+def use_wgmma(tokens: int, top_k: int, experts: int, min_mean: float = WGMMA_MIN_MEAN) -> bool:
+    """The prefill kernels (WGMMA, activations staged in shared memory) from ``min_mean`` pairs per expert."""
+    return tokens * top_k / max(experts, 1) >= min_mean
+
+
+def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
+    """Token tile N of the WGMMA kernels: the smallest of 32/64/128 that holds 1.5x the mean pairs per expert."""
+    mean = tokens * top_k / max(experts, 1)
+    for bn in WGMMA_TILE_TOKENS:
+        if 1.5 * mean <= bn:
+            return bn
+    return WGMMA_TILE_TOKENS[-1]
 
 
 def _cute(t: torch.Tensor):
@@ -103,10 +119,17 @@ class Sm90NvFp4MoE:
         self.num_tiles = torch.zeros(1, dtype=torch.int32, device=dev)
         self.hbuf = torch.empty(pairs, intermediate, dtype=torch.bfloat16, device=dev)
 
-    def kernels(self, tile_tokens: int) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
-        """The three kernel objects used for a token tile size."""
+    def kernels(self, tile_tokens: int, wgmma: bool = False) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
+        """The three kernel objects used for a token tile size (``wgmma``: the prefill GEMMs)."""
         tuning = dict(getattr(self, "tuning", {}))
         l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
+        tuning.pop("wgmma", None), tuning.pop("wgmma_min_mean", None)
+        wg_extra = tuning.pop("wg", {})
+        if wgmma:
+            return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
+                    Sm90Nvfp4WgmmaGemm(m=2 * self.i, k=self.h, mode="swiglu", tile_tokens=tile_tokens,
+                                       swiglu_limit=self.limit, **wg_extra),
+                    Sm90Nvfp4WgmmaGemm(m=self.h, k=self.i, mode="scatter", tile_tokens=tile_tokens, **wg_extra))
         return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
                 Sm90Nvfp4GroupedGemm(m=2 * self.i, k=self.h, mode="swiglu", tile_tokens=tile_tokens,
                                      swiglu_limit=self.limit, **{**tuning, **l1_extra}),
@@ -146,8 +169,12 @@ class Sm90NvFp4MoE:
         _expect(out.dtype == torch.float32 and tuple(out.shape) == (t, self.h) and out.is_contiguous(),
                 "out must be contiguous float32 [T, H]")
         pairs = t * self.k
-        bn = pick_tile_tokens(t, self.k, self.e)
-        routing, l1, l2 = self.kernels(bn)
+        tuning = getattr(self, "tuning", {})
+        wg = tuning.get("wgmma")
+        if wg is None:
+            wg = use_wgmma(t, self.k, self.e, tuning.get("wgmma_min_mean", WGMMA_MIN_MEAN))
+        bn = pick_wgmma_tile_tokens(t, self.k, self.e) if wg else pick_tile_tokens(t, self.k, self.e)
+        routing, l1, l2 = self.kernels(bn, wg)
         tiles = self.tiles[:max_tiles_for(pairs, self.e, bn)]
         token_of, weight_of, rank = self.token_of[:pairs], self.weight_of[:pairs], self.rank[:pairs]
         hbuf = self.hbuf[:pairs]

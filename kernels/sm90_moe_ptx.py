@@ -166,3 +166,58 @@ def f32x2_to_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
     return Int32(llvm.inline_asm(
         T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
         "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=False, loc=loc, ip=ip))
+
+
+# --- WGMMA (prefill path, ``sm90_moe_wgmma``) ---
+
+@dsl_user_op
+def wgmma_bf16_rs(acc: list, a0: Int32, a1: Int32, a2: Int32, a3: Int32, desc_b: Int64, *, loc=None, ip=None) -> list:
+    """``wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16`` with A from registers, N = 2 * len(acc).
+
+    ``acc`` are this thread's N/2 float32 accumulators (D = A B + D); A is the mma.sync-style
+    fragment of the warp's 16 rows of the m64 tile; ``desc_b`` the shared-memory descriptor of B
+    (N x 16, K-major). Asynchronous: pair with ``warpgroup.fence/commit_group/wait_group``.
+    """
+    n_acc = len(acc)
+    n = 2 * n_acc
+    args = [Float32(v).ir_value(loc=loc, ip=ip) for v in acc]
+    args += [Int32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3)]
+    args.append(Int64(desc_b).ir_value(loc=loc, ip=ip))
+    args.append(Int32(1).ir_value(loc=loc, ip=ip))
+    d = ", ".join(f"${i}" for i in range(n_acc))
+    cons = ",".join(["=f"] * n_acc + [str(i) for i in range(n_acc)] + ["r"] * 4 + ["l", "r"])
+    # operands: outputs 0..n_acc-1, tied inputs n_acc..2n_acc-1, A 2n_acc..2n_acc+3, desc 2n_acc+4
+    a = ", ".join(f"${2 * n_acc + i}" for i in range(4))
+    res = llvm.inline_asm(
+        _struct(n_acc, "f32"), args,
+        "{.reg .pred p;\n\t"
+        f"setp.ne.b32 p, ${2 * n_acc + 5}, 0;\n\t"
+        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, {{{a}}}, ${2 * n_acc + 4}, p, 1, 1, 0;}}",
+        cons, has_side_effects=True, loc=loc, ip=ip)
+    return list(_unpack(res, n_acc, T.f32(), Float32, loc, ip))
+
+
+@dsl_user_op
+def fence_operands(acc: list, *, loc=None, ip=None) -> list:
+    """An empty side-effecting asm that takes and returns ``acc``: uses of the result cannot move above it."""
+    n = len(acc)
+    res = llvm.inline_asm(
+        _struct(n, "f32"), [Float32(v).ir_value(loc=loc, ip=ip) for v in acc], "",
+        ",".join(["=f"] * n + [str(i) for i in range(n)]), has_side_effects=True, loc=loc, ip=ip)
+    return list(_unpack(res, n, T.f32(), Float32, loc, ip))
+
+
+@dsl_user_op
+def st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    """Store 4 bytes at a shared-memory (CTA window) address."""
+    llvm.inline_asm(
+        None, [Int32(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
+        "st.shared.b32 [$0], $1;", "r,r", has_side_effects=True, loc=loc, ip=ip)
+
+
+SW128_DESC_HI = (1 << 62) | ((1024 >> 4) << 32) | (1 << 16)  # 128B swizzle, SBO = 1024 B, LBO = 16 B (unused)
+
+
+def smem_desc_sw128(addr: Int32) -> Int64:
+    """WGMMA descriptor of a K-major, 128-byte-swizzled tile at shared address ``addr`` (8-row groups 1024 B apart)."""
+    return (Int64(addr) >> 4) & Int64(0x3FFF) | Int64(SW128_DESC_HI)

@@ -31,14 +31,16 @@ class _Layer:
 
     def __init__(self, h, i, e, k, limit):
         self.h, self.i, self.e, self.k, self.limit = h, i, e, k, limit
+        self.tuning = {}
 
 
-@pytest.mark.parametrize("model", sorted(V4))
-@pytest.mark.parametrize("tile_tokens", [8, 64])
-def test_moe_kernels_compile_sm90a(model, tile_tokens):
+@pytest.mark.parametrize("model,tile_tokens,wgmma", [
+    ("flash", 8, False), ("flash", 64, False), ("pro", 8, False), ("pro", 64, False),
+    ("flash", 32, True), ("flash", 64, True), ("flash", 128, True), ("pro", 128, True)])
+def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma):
     h, i, experts = V4[model]
     top_k, t, e = 6, 3, 2  # a CPU stand-in with 2 experts: E and T are runtime sizes
-    routing, l1, l2 = Sm90NvFp4MoE.kernels(_Layer(h, i, experts, top_k, 10.0), tile_tokens)
+    routing, l1, l2 = Sm90NvFp4MoE.kernels(_Layer(h, i, experts, top_k, 10.0), tile_tokens, wgmma)
     p = t * top_k
     i32 = dict(dtype=torch.int32)
     ids, wts = torch.zeros(p, dtype=torch.int64), torch.zeros(p)
@@ -64,6 +66,19 @@ def test_dense_linear_compiles_sm90a(out_dtype):
             torch.zeros(1), torch.zeros(t, k, dtype=torch.bfloat16), d[0, :1], torch.zeros(1), d, d[0, :1],
             torch.zeros(t, n, dtype=out_dtype), torch.zeros(t, n, dtype=out_dtype)]
     assert compile_op(op, args) is not None
+
+
+def test_wgmma_heuristics_and_bad_config():
+    from nvfp4_megamoe.kernels.sm90_moe import pick_wgmma_tile_tokens, use_wgmma
+    from nvfp4_megamoe.kernels.sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm
+    assert not use_wgmma(64, 6, 256) and use_wgmma(4096, 6, 256)
+    assert pick_wgmma_tile_tokens(1024, 6, 256) == 64 and pick_wgmma_tile_tokens(4096, 6, 256) == 128
+    with pytest.raises(ValueError, match="modes"):
+        Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="store")
+    with pytest.raises(ValueError, match="tile_tokens"):
+        Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", tile_tokens=24)
+    with pytest.raises(ValueError, match="multiple of"):
+        Sm90Nvfp4WgmmaGemm(m=192, k=128, mode="scatter")
 
 
 def test_gemm_rejects_bad_config():

@@ -38,13 +38,14 @@ def _weights(shape: str) -> dict:
     return _WEIGHTS[shape]
 
 
-def _layer(shape: str):
+def _layer(shape: str, tuning: dict | None = None):
     from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
-    if shape not in _LAYERS:
+    key = (shape, repr(tuning))
+    if key not in _LAYERS:
         h, i, e, k = SHAPES[shape]
-        _LAYERS[shape] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=10.0,
-                                      max_tokens=8192)
-    return _LAYERS[shape]
+        _LAYERS[key] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=10.0,
+                                    max_tokens=8192, tuning=tuning)
+    return _LAYERS[key]
 
 
 def routing(t: int, e: int, k: int, kind: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,11 +62,25 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+# the WGMMA (prefill) kernels forced at any T, and the mma.sync kernels forced at prefill sizes
+FORCED = [
+    ("small", 1, "uniform", True), ("small", 130, "skewed", True), ("small", 1001, "uniform", True),
+    ("small", 1001, "uniform", False), ("flash", 5, "uniform", True), ("flash", 64, "skewed", True),
+    ("flash", 333, "uniform", True), ("flash", 1500, "uniform", True), ("flash", 8192, "skewed", True),
+    ("pro", 256, "uniform", True), ("pro", 4095, "uniform", True), ("pro", 4095, "uniform", False),
+]
+
+
+@pytest.mark.parametrize("shape,tokens,kind,wgmma", FORCED)
+def test_moe_kernel_paths_match_reference(shape, tokens, kind, wgmma):
+    test_moe_matches_reference(shape, tokens, kind, tuning={"wgmma": wgmma})
+
+
 @pytest.mark.parametrize("shape,tokens,kind", CASES)
-def test_moe_matches_reference(shape, tokens, kind):
+def test_moe_matches_reference(shape, tokens, kind, tuning=None):
     h, i, e, k = SHAPES[shape]
     w = _weights(shape)
-    layer = _layer(shape)
+    layer = _layer(shape, tuning)
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
     ids, wts = routing(tokens, e, k, kind, gen)

@@ -1,0 +1,233 @@
+"""SM90 grouped NVFP4 x BF16 GEMM on warpgroup MMA (``wgmma``), the prefill path of the MoE.
+
+Same operands, work tiles, epilogues and call signature as :class:`Sm90Nvfp4GroupedGemm`
+(``sm90_moe_gemm``, whose docstring holds the layout contract); what changes is the MMA:
+
+* A = the packed NVFP4 weights, decoded to BF16 in registers exactly as in the mma.sync kernel (the
+  register fragment of ``wgmma ... m64nNk16`` with A in registers is, per warp, the m16n8k16 A
+  fragment), streamed through the same per-thread register pipeline (``depth`` k-tiles ahead);
+* B = ``tile_tokens`` (N) activation rows staged in shared memory, K-major, 128-byte swizzle, in a
+  ring of 3 stages of one 128-K tile each, and read by the tensor cores through a matrix descriptor;
+  a CTA is ``warpgroups`` x 64 weight rows, so each staged tile feeds 64 * warpgroups rows.
+* K order: the weights keep their per-thread K permutation (a lane quad owns a contiguous 32-K run,
+  see ``sm90_moe_gemm``); the activations are permuted to match while they are staged (16-byte
+  global loads, ``prmt`` to pairs (k, k+4), 4-byte shared stores), so neither operand is repacked in
+  memory. Column ``16 s + 8 hi + 2 c + e`` of a staged 128-K tile holds logical
+  k = ``32 c + 8 (s // 2) + 2 (s % 2) + hi + 4 e``.
+
+Per k-tile kt: decode A(kt), ``wgmma.fence``, 8 ``wgmma`` (k16 steps) on stage kt % 3, commit,
+``wait_group 1`` (so kt - 1 is done and its A registers free), stage B(kt + 1) into (kt + 1) % 3
+(last read by kt - 2, done in every warpgroup before the previous barrier), proxy fence, barrier.
+The MMAs of kt run while B(kt + 1) is loaded and A(kt + 1) decoded.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.cute.nvgpu.warpgroup as warpgroup
+from cutlass import Float32, Int32, Int64, const_expr
+
+from . import sm90_moe_ptx as ptx
+from .sm90_moe_gemm import K_TILE, Sm90Nvfp4GroupedGemm
+
+WGMMA_TILE_TOKENS = (32, 64, 128)
+STAGES = 3
+
+
+class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
+    """One compiled configuration of the WGMMA grouped GEMM.
+
+    Args:
+        m, k, mode, swiglu_limit, depth: as :class:`Sm90Nvfp4GroupedGemm` (mode ``"swiglu"``/``"scatter"``).
+        tile_tokens: N, tokens per work item: 16 .. 256, a multiple of 16.
+        warpgroups: warpgroups per CTA (each owns 64 weight rows).
+    """
+
+    def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 128, swiglu_limit: float | None = None,
+                 warpgroups: int = 2, depth: int = 2, **_ignored):
+        if mode not in ("swiglu", "scatter"):
+            raise ValueError(f"the wgmma GEMM has modes swiglu/scatter, got {mode!r}")
+        if tile_tokens % 16 or not 16 <= tile_tokens <= 256:
+            raise ValueError(f"tile_tokens must be a multiple of 16 in [16, 256], got {tile_tokens}")
+        self.m, self.k, self.mode = m, k, mode
+        self.bn = tile_tokens
+        self.nb = tile_tokens // 8
+        self.wgs = warpgroups
+        self.warps = 4 * warpgroups
+        self.threads = 128 * warpgroups
+        self.row_tiles = 1
+        self.bm = 64 * warpgroups
+        self.split_k = 1
+        if m % self.bm:
+            raise ValueError(f"M={m} must be a multiple of the CTA's {self.bm} rows")
+        if k % K_TILE:
+            raise ValueError(f"K={k} must be a multiple of {K_TILE}")
+        self.n_kt = k // K_TILE
+        self.depth = max(d for d in (1, 2, 4) if d <= depth and self.n_kt % d == 0)
+        if (self.bn * 16) % self.threads:
+            raise ValueError(f"tile_tokens * 16 must be a multiple of {self.threads} threads")
+        self.n_ld = self.bn * 16 // self.threads  # 16-byte activation chunks per thread per k-tile
+        self.swiglu_limit = swiglu_limit
+        self.out_bf16 = False
+        from .swizzle import swizzled_nbytes
+        import math
+        self.scale_bytes = swizzled_nbytes(m, k // 16)
+        self.kb4 = math.ceil(k // 16 / 4)
+        self.epi_scale = float(2 ** ptx.EPILOGUE_LOG2)
+        self.b_depth = 0
+        self.region = self.bn * 128          # bytes of one 64-K half of a staged tile
+        self.stage_bytes = 2 * self.region   # one 128-K tile
+
+    def key(self) -> tuple:
+        return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth)
+
+    @cute.jit
+    def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
+                 mTok: cute.Tensor, mRW: cute.Tensor, mTiles: cute.Tensor, mNumTiles: cute.Tensor,
+                 mOut: cute.Tensor, mZero: cute.Tensor, stream):
+        self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
+            grid=[self.m // self.bm, mTiles.shape[0], 1], block=[self.threads, 1, 1],
+            smem=STAGES * self.stage_bytes + 2048, stream=stream)
+
+    @cute.kernel
+    def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
+               mTok: cute.Tensor, mRW: cute.Tensor, mTiles: cute.Tensor, mNumTiles: cute.Tensor,
+               mOut: cute.Tensor, mZero: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        if const_expr(self.mode == "swiglu"):
+            gx, gy, _ = cute.arch.grid_dim()
+            n16 = mZero.shape[0] * mZero.shape[1] // 4
+            zbase = mZero.iterator.toint()
+            for q in cutlass.range((by * gx + bx) * self.threads + tidx, n16, gx * gy * self.threads, unroll=1):
+                ptx.st_global_v4_zero(zbase + Int64(q) * 16)
+        smem = cutlass.memory.SmemAllocator()
+        sbuf = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(STAGES * self.stage_bytes + 1024), 1024)
+        if by < mNumTiles[0]:
+            expert = mTiles[by, 0]
+            begin = mTiles[by, 1]
+            end = mTiles[by, 2]
+            self.wg_tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, sbuf, expert, begin, end - begin, bx, tidx)
+
+    @cute.jit
+    def wg_tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,
+                mRW: cute.Tensor, mOut: cute.Tensor, sbuf: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32,
+                bx: Int32, tidx: Int32):
+        k, m = self.k, self.m
+        wg = tidx // 128
+        warp = (tidx % 128) // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        row_base = bx * self.bm + wg * 64 + warp * 16
+        e64 = Int64(expert)
+
+        # --- weights: per-thread addresses and register pipeline (as the mma.sync kernel, one row tile) ---
+        w_base = mW.iterator.toint() + e64 * (m * (k // 2)) + Int64(c * 16)
+        s_base = mS.iterator.toint() + e64 * self.scale_bytes + Int64((c // 2) * 512 + (c % 2) * 2)
+        a_addr = cute.make_rmem_tensor((1, 2), Int64)
+        s_addr = cute.make_rmem_tensor((1, 2), Int64)
+        for h in cutlass.range_constexpr(2):
+            wr = row_base + g + h * 8
+            a_addr[0, h] = w_base + Int64(wr) * (k // 2)
+            s_addr[0, h] = s_base + Int64((wr // 128) * (self.kb4 * 512) + (wr % 32) * 16 + ((wr // 32) % 4) * 4)
+
+        # --- activation staging: this thread's 16-byte chunks (fixed column chunk, rows n0 + 16 i * wgs) ---
+        q16 = tidx % 16          # chunk of a 256-byte (128-K) row: logical k 8 q16 .. 8 q16 + 7
+        cq = q16 // 4
+        wq = q16 % 4
+        n0 = tidx // 16
+        n8 = n0 % 8              # swizzle phase (the same for all of this thread's rows)
+        x_addr = cute.make_rmem_tensor((self.n_ld,), Int64)
+        x_base = mX.iterator.toint() + Int64(q16 * 16)
+        for i in cutlass.range_constexpr(self.n_ld):
+            n = n0 + i * (self.threads // 16)
+            t = n
+            if t > cnt - 1:
+                t = cnt - 1
+            brow = begin + t
+            if const_expr(self.mode == "swiglu"):
+                brow = mTok[brow]
+            x_addr[i] = x_base + Int64(brow) * (k * 2)
+        s_smem = (Int32(sbuf.iterator.toint()) + 1023) & Int32(-1024)  # swizzle atoms need 1024-byte alignment
+        # byte offset in a stage of pair (u, hi) of chunk i: half wq // 2, row n, 16-byte chunk j ^ n8, word cq
+        st_off = cute.make_rmem_tensor((4,), Int32)
+        for u in cutlass.range_constexpr(2):
+            for hi in cutlass.range_constexpr(2):
+                j = 4 * (wq % 2) + 2 * u + hi
+                st_off[2 * u + hi] = (wq // 2) * self.region + (n0 // 8) * 1024 + n8 * 128 + ((j ^ n8) * 16) + cq * 4
+
+        D = self.depth
+        n_kt = self.n_kt
+        wbuf = cute.make_rmem_tensor((D, 1, 2, 4), Int32)
+        sbufr = cute.make_rmem_tensor((D, 1, 2), Int32)
+        acc = cute.make_rmem_tensor((self.bn // 2,), Float32)
+        acc.fill(0.0)
+        for d in cutlass.range_constexpr(D):
+            self.load_a(wbuf, sbufr, a_addr, s_addr, d, d)
+        self.stage_b(x_addr, s_smem, st_off, 0, 0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier()
+
+        for kto in cutlass.range(0, n_kt, D, unroll=1):
+            for d in cutlass.range_constexpr(D):
+                kt = kto + d
+                cw = cute.make_rmem_tensor((1, 2, 4), Int32)
+                cs = cute.make_rmem_tensor((1, 2), Int32)
+                for h in cutlass.range_constexpr(2):
+                    cs[0, h] = sbufr[d, 0, h]
+                    for i in cutlass.range_constexpr(4):
+                        cw[0, h, i] = wbuf[d, 0, h, i]
+                nxt = kt + D
+                if nxt > n_kt - 1:
+                    nxt = n_kt - 1
+                self.load_a(wbuf, sbufr, a_addr, s_addr, d, nxt)
+                # decoded A: a[h, w, j] = (v_j, v_{j+4}) of word w of row g + 8 h, times its block scale
+                a = cute.make_rmem_tensor((2, 4, 4), Int32)
+                for h in cutlass.range_constexpr(2):
+                    s01 = ptx.e4m3x2_to_bf16x2_pair(cs[0, h], ptx.DECODE_BIAS)
+                    for w in cutlass.range_constexpr(4):
+                        dec = ptx.decode_e2m1x8(cw[0, h, w])
+                        for j in cutlass.range_constexpr(4):
+                            a[h, w, j] = ptx.mul_bf16x2(dec[j], s01[w // 2])
+                stage = s_smem + (kt % STAGES) * self.stage_bytes
+                warpgroup.fence()
+                for w in cutlass.range_constexpr(4):
+                    for u in cutlass.range_constexpr(2):
+                        s = 2 * w + u
+                        desc = ptx.smem_desc_sw128(stage + (s // 4) * self.region + (s % 4) * 32)
+                        vals = [acc[i] for i in range(self.bn // 2)]
+                        vals = ptx.wgmma_bf16_rs(vals, a[0, w, 2 * u], a[1, w, 2 * u], a[0, w, 2 * u + 1],
+                                                 a[1, w, 2 * u + 1], desc)
+                        for i in cutlass.range_constexpr(self.bn // 2):
+                            acc[i] = vals[i]
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                if kt + 1 < n_kt:
+                    self.stage_b(x_addr, s_smem, st_off, (kt + 1) % STAGES, kt + 1)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier()
+
+        warpgroup.wait_group(0)
+        vals = ptx.fence_operands([acc[i] for i in range(self.bn // 2)])
+        acc4 = cute.make_rmem_tensor((1, self.nb, 4), Float32)
+        for nb in cutlass.range_constexpr(self.nb):
+            for i in cutlass.range_constexpr(4):
+                acc4[0, nb, i] = vals[4 * nb + i]
+        self.epilogue(acc4, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
+
+    @cute.jit
+    def stage_b(self, x_addr: cute.Tensor, s_smem: Int32, st_off: cute.Tensor, stage: Int32, kt: Int32):
+        base = s_smem + stage * self.stage_bytes
+        vals = cute.make_rmem_tensor((self.n_ld, 4), Int32)
+        for i in cutlass.range_constexpr(self.n_ld):
+            v = ptx.ld_global_v4_keep(x_addr[i] + Int64(kt * 256))
+            for q in cutlass.range_constexpr(4):
+                vals[i, q] = v[q]
+        for i in cutlass.range_constexpr(self.n_ld):
+            row = base + i * (self.threads // 16) // 8 * 1024
+            ptx.st_shared_b32(row + st_off[0], ptx.prmt(vals[i, 0], vals[i, 2], 0x5410))
+            ptx.st_shared_b32(row + st_off[1], ptx.prmt(vals[i, 0], vals[i, 2], 0x7632))
+            ptx.st_shared_b32(row + st_off[2], ptx.prmt(vals[i, 1], vals[i, 3], 0x5410))
+            ptx.st_shared_b32(row + st_off[3], ptx.prmt(vals[i, 1], vals[i, 3], 0x7632))
