@@ -44,6 +44,8 @@ from .verify_roundtrip import BOUNDS, CHECKS, Item, UnitCheck, bound_violations,
 from .verify_structure import Layout, check_against_config, check_files, nvfp4_groups
 from .writer import sha256_file
 
+__all__ = ["Failure", "TensorResult", "VerifyReport", "format_report", "verify_checkpoint"]
+
 CHUNK = 64 * 1024 * 1024
 DEFAULT_WORKERS = 2
 PROBLEMS_PER_TENSOR = 5
@@ -473,7 +475,7 @@ def format_report(rep: VerifyReport, worst: int = 3, listed: int = 50) -> str:
     """The human-readable summary: what was checked, the worst lossy tensors, every failure."""
     lines = [f"verify {rep.out}"]
     lines.append(f"  source:  {rep.source} (round trip against the source)" if rep.round_trip else
-                 f"  source:  none (structure and value checks only; no round trip)")
+                 "  source:  none (structure and value checks only; no round trip)")
     lines.append(f"  shards:  {len(rep.shards)} ({'sha256 checked' if rep.hashed else 'sha256 not checked (--fast)'})")
     kinds = Counter(r.kind for r in rep.tensors.values())
     checked = Counter(r.checked for r in rep.tensors.values())
