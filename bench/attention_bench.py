@@ -132,6 +132,15 @@ def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
                         del g
                     except Exception as e:  # noqa: BLE001
                         row["ours_error"] = repr(e)[:300]
+                    if args.variants:  # the other P @ V tiling, for the record
+                        out2 = torch.empty_like(out)
+                        try:
+                            g = capture(lambda: decode_attention(x["q"], x["kvw"], x["wlen"], x["kvc"], x["idx"],
+                                                                 x["sink"], SCALE, out=out2, pv_heads=16))
+                            row["ours_pv16_us"] = timer.time(g, args.reps)
+                            del g
+                        except Exception as e:  # noqa: BLE001
+                            row["ours_pv16_error"] = repr(e)[:300]
                     try:
                         g = capture(torch_fn)
                         row["torch_us"] = timer.time(g, max(3, args.reps // 2))
@@ -187,12 +196,12 @@ def bench_indexer(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
 def table(res: dict) -> str:
     lines = [f"copy bandwidth {res['copy_bytes_per_s'] / 1e12:.2f} TB/s on {res['device']}",
              f"{'model':9} {'B':>4} {'ctx':>8} {'kind':4} {'entries':>7} {'floor us':>9} {'ours us':>9} "
-             f"{'torch us':>9} {'%copy':>6} {'x torch':>8} {'err':>8}"]
+             f"{'torch us':>9} {'%copy':>6} {'x torch':>8} {'err':>8} {'pv16 us':>8}"]
     for r in res["attention"]:
         lines.append(f"{r['model']:9} {r['batch']:4d} {r['context']:8d} {r['kind']:4} {r['entries']:7d} "
                      f"{r['floor_us']:9.1f} {r.get('ours_us', float('nan')):9.1f} {r.get('torch_us', float('nan')):9.1f} "
                      f"{100 * r.get('frac_of_copy_bw', float('nan')):6.1f} {r.get('speedup_vs_torch', float('nan')):8.1f} "
-                     f"{r.get('relerr_vs_torch', float('nan')):8.1e}")
+                     f"{r.get('relerr_vs_torch', float('nan')):8.1e} {r.get('ours_pv16_us', float('nan')):8.1f}")
     lines.append(f"{'indexer':9} {'B':>4} {'ctx':>8} {'k':>5} {'floor us':>9} {'torch us':>9} {'%copy':>6}")
     for r in res.get("indexer", []):
         lines.append(f"{'':9} {r['batch']:4d} {r['context']:8d} {r['top_k']:5d} {r['floor_us']:9.1f} "
@@ -236,6 +245,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     p.add_argument("--contexts", type=int, nargs="*", default=list(CONTEXTS))
     p.add_argument("--no-indexer", action="store_true")
+    p.add_argument("--variants", action="store_true", help="also time the pv_heads=16 tiling")
     p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="only draw the plot of a results file")
     args = p.parse_args()
     if args.plot:

@@ -122,10 +122,11 @@ def st_global_v2_b32(addr: Int64, a: Int32, b: Int32, *, loc=None, ip=None) -> N
 
 @dsl_user_op
 def ld_global_v4_f32(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float32, Float32, Float32]:
-    """16 bytes of float32 from a 16-aligned global address (L2-resident partials: ``.cg``)."""
+    """16 bytes of float32 from a 16-aligned global address (L2-resident partials: ``.cg``). Pure: only
+    for data no thread of the same launch writes."""
     res = llvm.inline_asm(
         _struct(4, "f32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", has_side_effects=True, loc=loc, ip=ip)
+        "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", has_side_effects=False, loc=loc, ip=ip)
     return _unpack(res, 4, T.f32(), Float32, loc, ip)
 
 
@@ -133,7 +134,7 @@ def ld_global_v4_f32(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float3
 def ld_global_v2_f32(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float32]:
     res = llvm.inline_asm(
         _struct(2, "f32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.cg.v2.f32 {$0, $1}, [$2];", "=f,=f,l", has_side_effects=True, loc=loc, ip=ip)
+        "ld.global.cg.v2.f32 {$0, $1}, [$2];", "=f,=f,l", has_side_effects=False, loc=loc, ip=ip)
     return _unpack(res, 2, T.f32(), Float32, loc, ip)
 
 

@@ -53,7 +53,9 @@ OFF_P = OFF_KV + 2 * KV_BYTES
 OFF_BIAS = OFF_P + HEADS_PER_CTA * P_ROW
 OFF_MAX = OFF_BIAS + 2 * CHUNK * 4
 OFF_L = OFF_MAX + 2 * HEADS_PER_CTA * 4
-SMEM_BYTES = OFF_L + 2 * HEADS_PER_CTA * 4
+OFF_ALPHA = OFF_L + 2 * HEADS_PER_CTA * 4    # this chunk's rescale factor per head row
+OFF_M = OFF_ALPHA + HEADS_PER_CTA * 4        # running max per head row
+SMEM_BYTES = OFF_M + HEADS_PER_CTA * 4
 LOG2E = 1.4426950408889634
 NEG_BIG = -1.0e30
 MODES = ("window", "indexed", "dense")
@@ -66,6 +68,9 @@ class Sm90DecodeAttention:
         mode: ``"window"`` (no compressed entries), ``"indexed"`` (CSA: ``indices`` [B, K], -1 pads)
             or ``"dense"`` (HCA: all N entries of ``kv_compressed``).
         scale: logit scale (512**-0.5 in V4), folded into the kernel with log2(e).
+        pv_heads: head rows per warp in P @ V: 16 (8 warps = 4 head tiles x 2 dim halves) or 32
+            (2 head pairs x 4 dim quarters: each V fragment feeds two MMAs, so V is read from shared
+            memory half as often).
 
     Operands (all contiguous): ``q`` bf16 [B, H, 512], ``kv_window`` bf16 [B, W, 512], ``window_len``
     int32 [B], ``kv_compressed`` bf16 [B, N, 512], ``indices`` int32 [B, K], ``sink`` f32 [H],
@@ -74,15 +79,20 @@ class Sm90DecodeAttention:
     are placeholders (any tensors of those dtypes and ranks).
     """
 
-    def __init__(self, *, mode: str, scale: float):
+    def __init__(self, *, mode: str, scale: float, pv_heads: int = 32):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if pv_heads not in (16, 32):
+            raise ValueError(f"pv_heads must be 16 or 32, got {pv_heads}")
         self.mode = mode
         self.scale = float(scale)
         self.sl2 = float(scale) * LOG2E
+        self.mt = pv_heads // 16                      # m16 tiles per warp in P @ V
+        self.nt = HEAD_DIM // 8 // (8 // (HEADS_PER_CTA // pv_heads))  # n8 tiles (dims) per warp
+        self.pv_heads = pv_heads
 
     def key(self) -> tuple:
-        return (self.mode, self.scale)
+        return (self.mode, self.scale, self.pv_heads)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKvw: cute.Tensor, mWlen: cute.Tensor, mKvc: cute.Tensor,
@@ -147,8 +157,16 @@ class Sm90DecodeAttention:
             self.load_chunk(mKvw, mKvc, mIdx, sbase, b, wlen, W, K, N, c_begin + 1, Int32(1), r, sub)
         cute.arch.cp_async_commit_group()
 
-        acc = cute.make_rmem_tensor((32, 4), Float32)
+        MT, NT = self.mt, self.nt
+        acc = cute.make_rmem_tensor((MT, NT, 4), Float32)
         acc.fill(0.0)
+        if tidx < HEADS_PER_CTA:
+            ptx.st_shared_f32(sbase + OFF_M + tidx * 4, Float32(NEG_BIG))   # read back only after syncs
+        pv_row = ht * 16                                   # P @ V: this warp's first head row ...
+        pv_dim = half * 256                                # ... and first dim
+        if const_expr(MT == 2):
+            pv_row = (warp % 2) * 32
+            pv_dim = (warp // 2) * 128
         m_run = cute.make_rmem_tensor((2,), Float32)
         l_run = cute.make_rmem_tensor((2,), Float32)
         for i in cutlass.range_constexpr(2):
@@ -158,7 +176,7 @@ class Sm90DecodeAttention:
         qa_row = ht * 16 + x + 8 * ((lane // 8) % 2)        # A rows (Q and P): heads
         hi16 = lane // 16
         q_row_addr = sbase + OFF_Q + qa_row * ROW
-        p_row_addr = sbase + OFF_P + qa_row * P_ROW
+        p_row_addr = sbase + OFF_P + (qa_row - ht * 16 + pv_row) * P_ROW
         kb_row = half * 32 + x + 8 * hi16                     # B rows of S: entries (+16 per n-tile pair)
         kb_y = ((lane // 8) % 2) ^ x
         ka_y = hi16 ^ x
@@ -215,6 +233,12 @@ class Sm90DecodeAttention:
             alpha1 = ptx.ex2(m_run[1] - m_new1)
             m_run[0] = m_new0
             m_run[1] = m_new1
+            if half == 0:
+                if c == 0:
+                    ptx.st_shared_f32(sbase + OFF_ALPHA + h_row0 * 4, alpha0)
+                    ptx.st_shared_f32(sbase + OFF_ALPHA + (h_row0 + 8) * 4, alpha1)
+                    ptx.st_shared_f32(sbase + OFF_M + h_row0 * 4, m_new0)
+                    ptx.st_shared_f32(sbase + OFF_M + (h_row0 + 8) * 4, m_new1)
 
             # ---- P = exp2(S - m) -> shared (BF16), partial row sums, rescale O ----
             sum0 = Float32(0.0)
@@ -232,28 +256,41 @@ class Sm90DecodeAttention:
                 ptx.st_shared_b32(p_row0 + 8 * P_ROW + sw, ptx.f32x2_to_bf16x2(p2, p3))
             l_run[0] = l_run[0] * alpha0 + sum0
             l_run[1] = l_run[1] * alpha1 + sum1
-            for n in cutlass.range_constexpr(32):
-                acc[n, 0] = acc[n, 0] * alpha0
-                acc[n, 1] = acc[n, 1] * alpha0
-                acc[n, 2] = acc[n, 2] * alpha1
-                acc[n, 3] = acc[n, 3] * alpha1
             cute.arch.sync_threads()
 
-            # ---- O += P V over this warp's 16 heads x 256 dims ----
+            # ---- O = alpha O + P V over this warp's 16 MT heads x 8 NT dims ----
+            for mt in cutlass.range_constexpr(MT):
+                al0 = ptx.ld_shared_f32(sbase + OFF_ALPHA + (pv_row + mt * 16 + g) * 4)
+                al1 = ptx.ld_shared_f32(sbase + OFF_ALPHA + (pv_row + mt * 16 + g + 8) * 4)
+                for n in cutlass.range_constexpr(NT):
+                    acc[mt, n, 0] = acc[mt, n, 0] * al0
+                    acc[mt, n, 1] = acc[mt, n, 1] * al0
+                    acc[mt, n, 2] = acc[mt, n, 2] * al1
+                    acc[mt, n, 3] = acc[mt, n, 3] * al1
             for ks in cutlass.range_constexpr(CHUNK // 16):
-                a0, a1, a2, a3 = ptx.ldmatrix_x4(p_row_addr + ((Int32(2 * ks) ^ ka_y) << 4))
+                pa = cute.make_rmem_tensor((MT, 4), Int32)
+                for mt in cutlass.range_constexpr(MT):
+                    a0, a1, a2, a3 = ptx.ldmatrix_x4(p_row_addr + mt * 16 * P_ROW + ((Int32(2 * ks) ^ ka_y) << 4))
+                    pa[mt, 0] = a0
+                    pa[mt, 1] = a1
+                    pa[mt, 2] = a2
+                    pa[mt, 3] = a3
                 v_addr = kv + (v_row + 16 * ks) * ROW
-                for np_ in cutlass.range_constexpr(16):
-                    col = half * 32 + 2 * np_ + hi16
+                for np_ in cutlass.range_constexpr(NT // 2):
+                    col = pv_dim // 8 + 2 * np_ + hi16
                     b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(v_addr + ((col ^ x) << 4))
-                    d = ptx.mma_bf16_16816(a0, a1, a2, a3, b0, b1, acc[2 * np_, 0], acc[2 * np_, 1],
-                                           acc[2 * np_, 2], acc[2 * np_, 3])
-                    for i in cutlass.range_constexpr(4):
-                        acc[2 * np_, i] = d[i]
-                    d = ptx.mma_bf16_16816(a0, a1, a2, a3, b2, b3, acc[2 * np_ + 1, 0], acc[2 * np_ + 1, 1],
-                                           acc[2 * np_ + 1, 2], acc[2 * np_ + 1, 3])
-                    for i in cutlass.range_constexpr(4):
-                        acc[2 * np_ + 1, i] = d[i]
+                    for mt in cutlass.range_constexpr(MT):
+                        for t in cutlass.range_constexpr(2):
+                            n = 2 * np_ + t
+                            bb0 = b0
+                            bb1 = b1
+                            if const_expr(t == 1):
+                                bb0 = b2
+                                bb1 = b3
+                            d = ptx.mma_bf16_16816(pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], bb0, bb1,
+                                                   acc[mt, n, 0], acc[mt, n, 1], acc[mt, n, 2], acc[mt, n, 3])
+                            for i in cutlass.range_constexpr(4):
+                                acc[mt, n, i] = d[i]
             cute.arch.sync_threads()
             if it + 2 < n_mine:
                 self.load_chunk(mKvw, mKvc, mIdx, sbase, b, wlen, W, K, N, c_begin + it + 2, slot, r, sub)
@@ -270,39 +307,32 @@ class Sm90DecodeAttention:
             ptx.st_shared_f32(sbase + OFF_L + (half * HEADS_PER_CTA + h_row0) * 4, l0)
             ptx.st_shared_f32(sbase + OFF_L + (half * HEADS_PER_CTA + h_row0 + 8) * 4, l1)
         cute.arch.sync_threads()
-        other = sbase + OFF_L + ((1 - half) * HEADS_PER_CTA + h_row0) * 4
-        l0 = l0 + ptx.ld_shared_f32(other)
-        l1 = l1 + ptx.ld_shared_f32(other + 32)
 
-        head0 = hb * HEADS_PER_CTA + h_row0
-        dim0 = half * 256 + 2 * c
-        if n_splits == 1:
-            sk0 = mSink[head0] * Float32(LOG2E)
-            sk1 = mSink[head0 + 8] * Float32(LOG2E)
-            big0 = cute.arch.fmax(m_run[0], sk0)
-            big1 = cute.arch.fmax(m_run[1], sk1)
-            f0 = ptx.ex2(m_run[0] - big0)
-            f1 = ptx.ex2(m_run[1] - big1)
-            inv0 = f0 / (l0 * f0 + ptx.ex2(sk0 - big0))
-            inv1 = f1 / (l1 * f1 + ptx.ex2(sk1 - big1))
-            o_row0 = mOut.iterator.toint() + ((Int64(b) * n_heads + Int64(head0)) * HEAD_DIM + Int64(dim0)) * 2
-            for n in cutlass.range_constexpr(32):
-                ptx.st_global_b32(o_row0 + n * 16, ptx.f32x2_to_bf16x2(acc[n, 0] * inv0, acc[n, 1] * inv0))
-                ptx.st_global_b32(o_row0 + 8 * HEAD_DIM * 2 + n * 16,
-                                  ptx.f32x2_to_bf16x2(acc[n, 2] * inv1, acc[n, 3] * inv1))
-        else:
-            row0 = (Int64(b) * n_heads + Int64(head0)) * n_splits + Int64(split)
-            row1 = row0 + Int64(8) * n_splits
-            p0 = mOpart.iterator.toint() + (row0 * HEAD_DIM + Int64(dim0)) * 4
-            p1 = mOpart.iterator.toint() + (row1 * HEAD_DIM + Int64(dim0)) * 4
-            for n in cutlass.range_constexpr(32):
-                ptx.st_global_v2_f32(p0 + n * 32, acc[n, 0], acc[n, 1])
-                ptx.st_global_v2_f32(p1 + n * 32, acc[n, 2], acc[n, 3])
-            if half == 0:
-                if c == 0:
-                    ml = mML.iterator.toint()
-                    ptx.st_global_v2_f32(ml + row0 * 8, m_run[0], l0)
-                    ptx.st_global_v2_f32(ml + row1 * 8, m_run[1], l1)
+        dim0 = pv_dim + 2 * c
+        for mt in cutlass.range_constexpr(MT):
+            for hh in cutlass.range_constexpr(2):
+                rr = pv_row + mt * 16 + g + 8 * hh           # head row in the block
+                lt = ptx.ld_shared_f32(sbase + OFF_L + rr * 4) + ptx.ld_shared_f32(
+                    sbase + OFF_L + (HEADS_PER_CTA + rr) * 4)
+                mr = ptx.ld_shared_f32(sbase + OFF_M + rr * 4)
+                head = hb * HEADS_PER_CTA + rr
+                if n_splits == 1:
+                    sk = mSink[head] * Float32(LOG2E)
+                    big = cute.arch.fmax(mr, sk)
+                    f = ptx.ex2(mr - big)
+                    inv = f / (lt * f + ptx.ex2(sk - big))
+                    o_row = mOut.iterator.toint() + ((Int64(b) * n_heads + Int64(head)) * HEAD_DIM + Int64(dim0)) * 2
+                    for n in cutlass.range_constexpr(NT):
+                        ptx.st_global_b32(o_row + n * 16, ptx.f32x2_to_bf16x2(acc[mt, n, 2 * hh] * inv,
+                                                                              acc[mt, n, 2 * hh + 1] * inv))
+                else:
+                    prow = (Int64(b) * n_heads + Int64(head)) * n_splits + Int64(split)
+                    pp = mOpart.iterator.toint() + (prow * HEAD_DIM + Int64(dim0)) * 4
+                    for n in cutlass.range_constexpr(NT):
+                        ptx.st_global_v2_f32(pp + n * 32, acc[mt, n, 2 * hh], acc[mt, n, 2 * hh + 1])
+                    if pv_dim == 0:
+                        if c == 0:
+                            ptx.st_global_v2_f32(mML.iterator.toint() + prow * 8, mr, lt)
 
     @cute.jit
     def load_chunk(self, mKvw: cute.Tensor, mKvc: cute.Tensor, mIdx: cute.Tensor, sbase: Int32, b: Int32,
@@ -337,9 +367,17 @@ class Sm90DecodeAttention:
             ptx.st_shared_f32(sbase + OFF_BIAS + slot * (CHUNK * 4) + r * 4, bias)
 
 
+COMBINE_THREADS = 512
+COMBINE_GROUPS = COMBINE_THREADS // (HEAD_DIM // 4)   # thread groups splitting the splits
+MAX_SPLITS = 1024
+
+
 class Sm90DecodeAttentionCombine:
     """Merge the splits: ``out[b, h] = sum_s 2^(m_s - M) O_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)``,
-    M = max(sink, m_s) (log2 units). Grid (H, B), 128 threads, 4 dims each."""
+    M = max(sink, m_s) (log2 units). Grid (H, B), 512 threads: the weights ``2^(m_s - M)`` and the
+    denominator are computed once per block (all splits' ``(m, l)`` loaded in parallel); then 4 groups
+    of 128 threads (4 dims each) sum every 4th split's ``O_s`` and add up through shared memory, so
+    the dependent-load chain is S / 4 deep, not 2 S. At most ``MAX_SPLITS`` splits."""
 
     def key(self) -> tuple:
         return ()
@@ -347,36 +385,78 @@ class Sm90DecodeAttentionCombine:
     @cute.jit
     def __call__(self, mOpart: cute.Tensor, mML: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor, stream):
         self.kernel(mOpart, mML, mSink, mOut).launch(
-            grid=[mOut.shape[1], mOut.shape[0], 1], block=[128, 1, 1], stream=stream)
+            grid=[mOut.shape[1], mOut.shape[0], 1], block=[COMBINE_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mOpart: cute.Tensor, mML: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp = tidx // 32
+        n_warps = COMBINE_THREADS // 32
         n_heads = mOut.shape[1]
         n_splits = mML.shape[2]
+        smem = cutlass.memory.SmemAllocator()
+        sb = smem.allocate_array(Float32, MAX_SPLITS + 2 * n_warps + (COMBINE_GROUPS - 1) * HEAD_DIM,
+                                 byte_alignment=16).toint()
+        s_f = sb
+        s_red = sb + MAX_SPLITS * 4
+        s_o = s_red + 2 * n_warps * 4
+
         row = (Int64(b) * n_heads + Int64(h)) * n_splits
         ml = mML.iterator.toint() + row * 8
         sk = mSink[h] * Float32(LOG2E)
-        big = sk
-        for s in cutlass.range(0, n_splits, unroll=1):
+        # 1. M = max(sink, m_s)
+        mx = sk
+        for s in cutlass.range(tidx, n_splits, COMBINE_THREADS, unroll=1):
             m_s, _l = ptx.ld_global_v2_f32(ml + Int64(s) * 8)
-            big = cute.arch.fmax(big, m_s)
-        den = ptx.ex2(sk - big)
-        o = cute.make_rmem_tensor((4,), Float32)
-        o.fill(0.0)
-        op = mOpart.iterator.toint() + (row * HEAD_DIM + Int64(tidx * 4)) * 4
-        for s in cutlass.range(0, n_splits, unroll=1):
+            mx = cute.arch.fmax(mx, m_s)
+        for sh in cutlass.range_constexpr(5):
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, 1 << sh))
+        if lane == 0:
+            ptx.st_shared_f32(s_red + warp * 4, mx)
+        cute.arch.sync_threads()
+        big = ptx.ld_shared_f32(s_red)
+        for w in cutlass.range_constexpr(1, n_warps):
+            big = cute.arch.fmax(big, ptx.ld_shared_f32(s_red + w * 4))
+        # 2. per-split weights (to shared) and the denominator
+        dp = Float32(0.0)
+        for s in cutlass.range(tidx, n_splits, COMBINE_THREADS, unroll=1):
             m_s, l_s = ptx.ld_global_v2_f32(ml + Int64(s) * 8)
             f = ptx.ex2(m_s - big)
-            den = den + f * l_s
+            ptx.st_shared_f32(s_f + s * 4, f)
+            dp = dp + f * l_s
+        for sh in cutlass.range_constexpr(5):
+            dp = dp + cute.arch.shuffle_sync_bfly(dp, 1 << sh)
+        if lane == 0:
+            ptx.st_shared_f32(s_red + (n_warps + warp) * 4, dp)
+        cute.arch.sync_threads()
+        den = ptx.ex2(sk - big)
+        for w in cutlass.range_constexpr(n_warps):
+            den = den + ptx.ld_shared_f32(s_red + (n_warps + w) * 4)
+        # 3. weighted partial outputs: group q takes splits q, q + 4, ...
+        q = tidx // (HEAD_DIM // 4)
+        d4 = tidx % (HEAD_DIM // 4)
+        o = cute.make_rmem_tensor((4,), Float32)
+        o.fill(0.0)
+        op = mOpart.iterator.toint() + (row * HEAD_DIM + Int64(d4 * 4)) * 4
+        for s in cutlass.range(q, n_splits, COMBINE_GROUPS, unroll=4):
+            f = ptx.ld_shared_f32(s_f + s * 4)
             v = ptx.ld_global_v4_f32(op + Int64(s) * (HEAD_DIM * 4))
             for i in cutlass.range_constexpr(4):
                 o[i] = o[i] + f * v[i]
-        inv = Float32(1.0) / den
-        dst = mOut.iterator.toint() + ((Int64(b) * n_heads + Int64(h)) * HEAD_DIM + Int64(tidx * 4)) * 2
-        ptx.st_global_v2_b32(dst, ptx.f32x2_to_bf16x2(o[0] * inv, o[1] * inv),
-                             ptx.f32x2_to_bf16x2(o[2] * inv, o[3] * inv))
+        if q > 0:
+            for i in cutlass.range_constexpr(4):
+                ptx.st_shared_f32(s_o + ((q - 1) * HEAD_DIM + d4 * 4 + i) * 4, o[i])
+        cute.arch.sync_threads()
+        if q == 0:
+            for g in cutlass.range_constexpr(1, COMBINE_GROUPS):
+                for i in cutlass.range_constexpr(4):
+                    o[i] = o[i] + ptx.ld_shared_f32(s_o + ((g - 1) * HEAD_DIM + d4 * 4 + i) * 4)
+            inv = Float32(1.0) / den
+            dst = mOut.iterator.toint() + ((Int64(b) * n_heads + Int64(h)) * HEAD_DIM + Int64(d4 * 4)) * 2
+            ptx.st_global_v2_b32(dst, ptx.f32x2_to_bf16x2(o[0] * inv, o[1] * inv),
+                                 ptx.f32x2_to_bf16x2(o[2] * inv, o[3] * inv))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,7 +508,7 @@ def _expect(cond: bool, msg: str) -> None:
 
 
 def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, scale: float, *,
-                     out=None, splits: int | None = None):
+                     out=None, splits: int | None = None, pv_heads: int = 32):
     """One decode step of DeepSeek-V4 attention on Hopper (sm_90a); returns BF16 ``out`` [B, H, 512].
 
     Args (contract and semantics: ``decode_attention_reference``; everything contiguous, on one GPU):
@@ -440,6 +520,7 @@ def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, sca
             to attend to all N entries (HCA).
         sink: float32 [H]. scale: the logit scale (512**-0.5).
         out: optional bf16 [B, H, 512] to write into. splits: override the flash-decoding split count.
+        pv_heads: the P @ V warp tiling (:class:`Sm90DecodeAttention`).
 
     No host sync and no allocation once a shape has been seen (split workspaces are cached per
     shape), so the call is CUDA-graph capturable after one warm-up call. The output is not inverse-RoPE'd.
@@ -473,12 +554,13 @@ def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, sca
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         splits = pick_splits(b, h, w + k, sms)
+    _expect(1 <= splits <= MAX_SPLITS, f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     wkey = (q.device, b, h, splits)
     if wkey not in _WORKSPACE:
         o_part = torch.empty((b, h, splits, d) if splits > 1 else (1, 1, 1, 4), dtype=torch.float32, device=q.device)
         _WORKSPACE[wkey] = (o_part, torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device))
     o_part, ml = _WORKSPACE[wkey]
-    _launch(Sm90DecodeAttention(mode=mode, scale=scale), [q, kv_window, window_len, kvc, idx, sink, out, o_part, ml])
+    _launch(Sm90DecodeAttention(mode=mode, scale=scale, pv_heads=pv_heads), [q, kv_window, window_len, kvc, idx, sink, out, o_part, ml])
     if splits > 1:
         _launch(Sm90DecodeAttentionCombine(), [o_part, ml, sink, out])
     return out

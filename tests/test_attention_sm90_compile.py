@@ -104,8 +104,8 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not insta
 
 
 @pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
-@pytest.mark.parametrize("mode", ["indexed", "dense", "window"])
-def test_decode_attention_compiles_sm90a(mode):
+@pytest.mark.parametrize("mode,pv_heads", [("indexed", 32), ("dense", 32), ("window", 32), ("indexed", 16)])
+def test_decode_attention_compiles_sm90a(mode, pv_heads):
     from nvfp4_megamoe.kernels.sm90_decode_attention import (Sm90DecodeAttention, Sm90DecodeAttentionCombine,
                                                               compile_op)
     b, h, w, n, k, s = 2, 128, 128, 40, 16, 3
@@ -113,8 +113,8 @@ def test_decode_attention_compiles_sm90a(mode):
     args = [torch.zeros(b, h, 512, **bf), torch.zeros(b, w, 512, **bf), torch.zeros(b, dtype=torch.int32),
             torch.zeros(b, n, 512, **bf), torch.zeros(b, k, dtype=torch.int32), torch.zeros(h),
             torch.zeros(b, h, 512, **bf), torch.zeros(b, h, s, 512), torch.zeros(b, h, s, 2)]
-    assert compile_op(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5), args) is not None
-    if mode == "indexed":
+    assert compile_op(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, pv_heads=pv_heads), args) is not None
+    if mode == "indexed" and pv_heads == 32:
         assert compile_op(Sm90DecodeAttentionCombine(), [args[7], args[8], args[5], args[6]]) is not None
 
 
@@ -122,3 +122,5 @@ def test_bad_mode_rejected():
     from nvfp4_megamoe.kernels.sm90_decode_attention import Sm90DecodeAttention
     with pytest.raises(ValueError, match="mode"):
         Sm90DecodeAttention(mode="nope", scale=1.0)
+    with pytest.raises(ValueError, match="pv_heads"):
+        Sm90DecodeAttention(mode="dense", scale=1.0, pv_heads=64)
