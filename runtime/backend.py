@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from nvfp4_megamoe.kernels import attention_reference, compressor_reference, indexer_reference
 from nvfp4_megamoe.kernels import mhc_reference, router_reference
+from nvfp4_megamoe.kernels.decode_attention_reference import decode_attention_reference
 from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize
 from nvfp4_megamoe.kernels.fp8_reference import fp8_linear
 from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up
@@ -97,6 +98,28 @@ class ReferenceBackend:
     compress_windows = staticmethod(compressor_reference.compress_windows)
     indexer_scores = staticmethod(indexer_reference.indexer_scores)
     select_topk = staticmethod(indexer_reference.select_topk)
+
+    # -- decode (one token per sequence): the operands the GPU decode kernels take ----------------
+    def indexer_topk(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,
+                     n_valid: torch.Tensor) -> torch.Tensor:
+        """q [B, h, d], keys [B, N, d], weights [B, h], n_valid int [B] -> int32 [B, k] entry indices
+        (ties: lower index first), -1 where fewer than k entries are visible."""
+        scores = indexer_reference.indexer_scores(q[:, None], keys, weights[:, None])[:, 0]   # [B, N]
+        n = keys.shape[1]
+        visible = torch.arange(n, device=q.device)[None] < n_valid.to(q.device)[:, None]
+        picked = indexer_reference.select_topk(scores[:, None], visible[:, None], k)[:, 0]
+        order = torch.sort(scores.masked_fill(~picked, float("-inf")), dim=-1, descending=True, stable=True)
+        idx = torch.where(picked.gather(1, order.indices), order.indices, -1)[:, :k]
+        if idx.shape[1] < k:
+            idx = torch.cat((idx, idx.new_full((idx.shape[0], k - idx.shape[1]), -1)), dim=1)
+        return idx.to(torch.int32)
+
+    def decode_attention(self, q: torch.Tensor, kv_window: torch.Tensor, window_len: torch.Tensor,
+                         kv_compressed: torch.Tensor | None, indices: torch.Tensor | None,
+                         sink: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, H, D] against the SWA ring [B, W, D] (``window_len`` valid slots, current token
+        included) and compressed entries (``indices`` [B, K], -1 padding; None = all) -> [B, H, D]."""
+        return decode_attention_reference(q, kv_window, window_len, kv_compressed, indices, sink, scale)
 
     # -- mHC --------------------------------------------------------------------------------------
     hc_pre = staticmethod(mhc_reference.hc_pre)

@@ -119,6 +119,18 @@ class Model:
         q = be.apply_rope(q, cos[:, None], sin[:, None])
         kv = be.apply_rope(be.rms_norm(be.linear(h, a.wkv), a.kv_norm, eps), cos, sin)  # [B, T, D]
 
+        if t == 1:
+            out = self._decode_attention(a, h, qr, q, kv, positions, st, freq, cos, sin)
+        else:
+            out = self._prefill_attention(a, h, qr, q, kv, positions, st, freq, cos, sin)
+        out = be.apply_rope(out, cos[:, None], sin[:, None], inverse=True)
+        out = be.grouped_linear(out.reshape(b, t, cfg.o_groups, -1), a.wo_a, cfg.o_groups)
+        return be.linear(out.flatten(2), a.wo_b)
+
+    def _prefill_attention(self, a, h, qr, q, kv, positions, st: LayerState, freq, cos, sin):
+        """A chunk of T tokens: dense logits over (ring + chunk) keys and compressed entries, masked."""
+        be, cfg = self.backend, self.config
+        b, t = q.shape[:2]
         # Sliding window: the ring holds positions [pos0 - W, pos0); query p sees keys (p - W, p].
         window, pos0 = cfg.sliding_window, int(positions[0])
         past_pos = torch.arange(max(0, pos0 - window + 1), pos0, device=h.device)
@@ -129,6 +141,7 @@ class Model:
         keep = min(t, window)
         st.window[:, positions[-keep:] % window] = kv[:, -keep:]
 
+        ratio = a.compress_ratio
         if ratio:
             entries = self._compress(a.compressor, h, st.compressor, ratio, freq)
             n = entries.shape[1]
@@ -144,11 +157,30 @@ class Model:
             keys = torch.cat((keys, entries), dim=1)
             entry_bias = torch.zeros(visible.shape, device=h.device).masked_fill(~visible, _NEG_INF)
             bias = torch.cat((bias, entry_bias), dim=-1)
+        return be.sink_attention(q, keys, bias, a.sink, cfg.head_dim ** -0.5)   # [B, T, H, D]
 
-        out = be.sink_attention(q, keys, bias, a.sink, cfg.head_dim ** -0.5)   # [B, T, H, D]
-        out = be.apply_rope(out, cos[:, None], sin[:, None], inverse=True)
-        out = be.grouped_linear(out.reshape(b, t, cfg.o_groups, -1), a.wo_a, cfg.o_groups)
-        return be.linear(out.flatten(2), a.wo_b)
+    def _decode_attention(self, a, h, qr, q, kv, positions, st: LayerState, freq, cos, sin):
+        """One token: write it into the ring, then attend over the ring and the entries (decode-kernel operands)."""
+        be, cfg = self.backend, self.config
+        b, pos, window = q.shape[0], int(positions[0]), cfg.sliding_window
+        st.window[:, pos % window] = kv[:, 0]
+        window_len = torch.full((b,), min(pos + 1, window), dtype=torch.int32, device=h.device)
+        entries = indices = None
+        ratio = a.compress_ratio
+        if ratio:  # every entry present is complete, hence visible to this token
+            entries = self._compress(a.compressor, h, st.compressor, ratio, freq)
+            if a.indexer is not None:
+                ix = a.indexer
+                index_keys = self._compress(ix.compressor, h, st.indexer, ratio, freq)
+                iq = be.linear(qr[:, 0], ix.wq_b).view(b, cfg.index_n_heads, cfg.index_head_dim)
+                iq = be.apply_rope(iq, cos, sin)
+                n_valid = torch.full((b,), index_keys.shape[1], dtype=torch.int32, device=h.device)
+                indices = be.indexer_topk(iq, index_keys, be.linear(h[:, 0], ix.weights_proj),
+                                          cfg.index_topk, n_valid)
+            if entries.shape[1] == 0:  # no window closed yet: a window-only step
+                entries = indices = None
+        out = be.decode_attention(q[:, 0], st.window, window_len, entries, indices, a.sink, cfg.head_dim ** -0.5)
+        return out[:, None]
 
     def _compress(self, cw: CompressorWeights, h, cs: CompressorState, ratio: int, freq):
         """Feed a chunk to a compressor; emit entries for the windows it closes; return all entries."""
