@@ -103,7 +103,8 @@ def convert(source: str, out: Path, dense: str, shard_size: int, dry_run: bool, 
         worst = max(lossy, key=lambda x: x[1])
         click.echo(f"requantized (lossy) matrices: {len(lossy)}, worst relative error {worst[1]:.3e} ({worst[0]})")
     inexact = sum(e.get("inexact_blocks", 0) for n, e in tensors.items() if n.endswith(".weight"))
-    click.echo(f"inexact blocks on lossless paths: {inexact}")
+    click.echo(f"NVFP4 blocks not bit-exact to the source (MXFP4 out-of-range fallback, reconciled "
+               f"ModelOpt w1/w3 scales): {inexact}")
 
 
 @main.command()
