@@ -185,6 +185,8 @@ def humming_layer(w: dict, h: int, i: int, e: int, k: int):
     schema = HummingWeightSchema(b_dtype=dtypes.float4e2m1, bs_dtype=dtypes.float8e4m3, weight_scale_group_size=16,
                                  weight_scale_type="group", weight_scale_2_type="tensor")
     layer = torch.nn.Module()
+    # stream-K configurations need a lock workspace on the layer (humming's own HummingLayer registers one)
+    layer.register_buffer("locks", torch.zeros(1 << 16, dtype=torch.int32, device=w["w13"].device))
     for name, n, kk in (("w13", 2 * i, h), ("w2", h, i)):
         scale = torch.stack([unswizzle_block_scales(w[name + "_scale"][j], n, kk // 16) for j in range(e)])
         for suffix, t in (("weight", w[name].view(torch.int32)), ("weight_scale", scale.view(torch.float8_e4m3fn)),

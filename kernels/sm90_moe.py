@@ -45,10 +45,10 @@ def use_wgmma(tokens: int, top_k: int, experts: int, min_mean: float = WGMMA_MIN
 
 
 def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
-    """Token tile N of the WGMMA kernels: the smallest of 32/64/128 that holds 1.5x the mean pairs per expert."""
+    """Token tile N of the WGMMA kernels: the smallest of 32, 48, .., 128 that holds 1.25x the mean pairs per expert."""
     mean = tokens * top_k / max(experts, 1)
     for bn in WGMMA_TILE_TOKENS:
-        if 1.5 * mean <= bn:
+        if 1.25 * mean <= bn:
             return bn
     return WGMMA_TILE_TOKENS[-1]
 

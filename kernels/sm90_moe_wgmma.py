@@ -15,10 +15,11 @@ Same operands, work tiles, epilogues and call signature as :class:`Sm90Nvfp4Grou
   memory. Column ``16 s + 8 hi + 2 c + e`` of a staged 128-K tile holds logical
   k = ``32 c + 8 (s // 2) + 2 (s % 2) + hi + 4 e``.
 
-Per k-tile kt: decode A(kt), ``wgmma.fence``, 8 ``wgmma`` (k16 steps) on stage kt % 3, commit,
-``wait_group 1`` (so kt - 1 is done and its A registers free), stage B(kt + 1) into (kt + 1) % 3
-(last read by kt - 2, done in every warpgroup before the previous barrier), proxy fence, barrier.
-The MMAs of kt run while B(kt + 1) is loaded and A(kt + 1) decoded.
+Per k-tile kt: issue the global loads of B(kt + 1) into registers, decode A(kt), ``wgmma.fence``,
+8 ``wgmma`` (k16 steps) on stage kt % 3, commit, ``wait_group 1`` (so kt - 1 is done and its A
+registers free), store B(kt + 1) into stage (kt + 1) % 3 (last read by kt - 2, done in every
+warpgroup before the previous barrier), proxy fence, barrier. The MMAs of kt run while A(kt + 1) is
+decoded and B(kt + 2) loaded.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import sm90_moe_ptx as ptx
 from .sm90_moe_gemm import K_TILE, Sm90Nvfp4GroupedGemm
 
-WGMMA_TILE_TOKENS = (32, 64, 128)
+WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
 STAGES = 3
 
 
@@ -45,7 +46,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 128, swiglu_limit: float | None = None,
-                 warpgroups: int = 2, depth: int = 2, **_ignored):
+                 warpgroups: int = 2, depth: int | None = None, **_ignored):
         if mode not in ("swiglu", "scatter"):
             raise ValueError(f"the wgmma GEMM has modes swiglu/scatter, got {mode!r}")
         if tile_tokens % 16 or not 16 <= tile_tokens <= 256:
@@ -64,6 +65,8 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         if k % K_TILE:
             raise ValueError(f"K={k} must be a multiple of {K_TILE}")
         self.n_kt = k // K_TILE
+        if depth is None:  # more weight bytes in flight where the accumulators leave registers for them
+            depth = 4 if tile_tokens <= 64 else 2
         self.depth = max(d for d in (1, 2, 4) if d <= depth and self.n_kt % d == 0)
         if (self.bn * 16) % self.threads:
             raise ValueError(f"tile_tokens * 16 must be a multiple of {self.threads} threads")
@@ -183,6 +186,11 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                 if nxt > n_kt - 1:
                     nxt = n_kt - 1
                 self.load_a(wbuf, sbufr, a_addr, s_addr, d, nxt)
+                # activations of k-tile kt + 1 (clamped: the last pass re-reads a cached tile into a free stage)
+                nb1 = kt + 1
+                if nb1 > n_kt - 1:
+                    nb1 = n_kt - 1
+                xv = self.load_b_regs(x_addr, nb1)
                 # decoded A: a[h, w, j] = (v_j, v_{j+4}) of word w of row g + 8 h, times its block scale
                 a = cute.make_rmem_tensor((2, 4, 4), Int32)
                 for h in cutlass.range_constexpr(2):
@@ -204,8 +212,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                             acc[i] = vals[i]
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)
-                if kt + 1 < n_kt:
-                    self.stage_b(x_addr, s_smem, st_off, (kt + 1) % STAGES, kt + 1)
+                self.store_b(xv, s_smem, st_off, (kt + 1) % STAGES)
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier()
 
@@ -219,12 +226,20 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
 
     @cute.jit
     def stage_b(self, x_addr: cute.Tensor, s_smem: Int32, st_off: cute.Tensor, stage: Int32, kt: Int32):
-        base = s_smem + stage * self.stage_bytes
+        self.store_b(self.load_b_regs(x_addr, kt), s_smem, st_off, stage)
+
+    @cute.jit
+    def load_b_regs(self, x_addr: cute.Tensor, kt: Int32) -> cute.Tensor:
         vals = cute.make_rmem_tensor((self.n_ld, 4), Int32)
         for i in cutlass.range_constexpr(self.n_ld):
             v = ptx.ld_global_v4_keep(x_addr[i] + Int64(kt * 256))
             for q in cutlass.range_constexpr(4):
                 vals[i, q] = v[q]
+        return vals
+
+    @cute.jit
+    def store_b(self, vals: cute.Tensor, s_smem: Int32, st_off: cute.Tensor, stage: Int32):
+        base = s_smem + stage * self.stage_bytes
         for i in cutlass.range_constexpr(self.n_ld):
             row = base + i * (self.threads // 16) // 8 * 1024
             ptx.st_shared_b32(row + st_off[0], ptx.prmt(vals[i, 0], vals[i, 2], 0x5410))

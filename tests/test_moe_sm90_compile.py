@@ -36,7 +36,7 @@ class _Layer:
 
 @pytest.mark.parametrize("model,tile_tokens,wgmma", [
     ("flash", 8, False), ("flash", 64, False), ("pro", 8, False), ("pro", 64, False),
-    ("flash", 32, True), ("flash", 64, True), ("flash", 128, True), ("pro", 128, True)])
+    ("flash", 32, True), ("flash", 80, True), ("flash", 128, True), ("pro", 96, True)])
 def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma):
     h, i, experts = V4[model]
     top_k, t, e = 6, 3, 2  # a CPU stand-in with 2 experts: E and T are runtime sizes
@@ -72,7 +72,8 @@ def test_wgmma_heuristics_and_bad_config():
     from nvfp4_megamoe.kernels.sm90_moe import pick_wgmma_tile_tokens, use_wgmma
     from nvfp4_megamoe.kernels.sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm
     assert not use_wgmma(64, 6, 256) and use_wgmma(4096, 6, 256)
-    assert pick_wgmma_tile_tokens(1024, 6, 256) == 64 and pick_wgmma_tile_tokens(4096, 6, 256) == 128
+    assert pick_wgmma_tile_tokens(1024, 6, 256) == 32 and pick_wgmma_tile_tokens(4096, 6, 256) == 128
+    assert pick_wgmma_tile_tokens(4096, 6, 384) == 80
     with pytest.raises(ValueError, match="modes"):
         Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="store")
     with pytest.raises(ValueError, match="tile_tokens"):

@@ -66,7 +66,8 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 FORCED = [
     ("small", 1, "uniform", True), ("small", 130, "skewed", True), ("small", 1001, "uniform", True),
     ("small", 1001, "uniform", False), ("flash", 5, "uniform", True), ("flash", 64, "skewed", True),
-    ("flash", 333, "uniform", True), ("flash", 1500, "uniform", True), ("flash", 8192, "skewed", True),
+    ("flash", 333, "uniform", True), ("flash", 1500, "uniform", True), ("flash", 2800, "uniform", True),
+    ("flash", 3400, "skewed", True), ("flash", 8192, "skewed", True),
     ("pro", 256, "uniform", True), ("pro", 4095, "uniform", True), ("pro", 4095, "uniform", False),
 ]
 
