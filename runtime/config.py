@@ -65,10 +65,8 @@ class ModelConfig:
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         n = cfg["num_hidden_layers"]
         if cfg.get("layer_types") is not None:
-            ratios = tuple(_RATIO_OF_LAYER_TYPE[t] for t in cfg["layer_types"][:n])
-            if "compress_rates" in cfg and cfg["compress_rates"]:
-                rates = cfg["compress_rates"]
-                ratios = tuple(rates.get(t, 0) if t != "sliding_attention" else 0 for t in cfg["layer_types"][:n])
+            rates = {**_RATIO_OF_LAYER_TYPE, **(cfg.get("compress_rates") or {}), "sliding_attention": 0}
+            ratios = tuple(int(rates[t]) for t in cfg["layer_types"][:n])
         elif cfg.get("compress_ratios") is not None:
             ratios = tuple(int(r) for r in cfg["compress_ratios"][:n])
         else:

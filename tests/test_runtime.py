@@ -322,6 +322,26 @@ def test_repeated_hash_expert_counts_once():
     assert torch.allclose(w, torch.tensor([[2 / 8, 0.0, 4 / 8]]))
 
 
+def test_config_reads_release_and_transformers_spellings(checkpoints):
+    """config.json as released (compress_ratios, rope_scaling, ...) and as transformers writes it."""
+    import dataclasses
+
+    from transformers import DeepseekV4Config
+
+    from nvfp4_megamoe.runtime import ModelConfig
+
+    src, _ = checkpoints("tiny", "pro")
+    raw = json.loads((src / "config.json").read_text())
+    released = ModelConfig.from_dict(raw)
+    kwargs = {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "quantization_config")}
+    modern = ModelConfig.from_dict(DeepseekV4Config(**kwargs).to_dict())
+    for f in dataclasses.fields(ModelConfig):
+        if f.name != "raw":
+            assert getattr(released, f.name) == getattr(modern, f.name), f.name
+    assert released.compress_ratios == tuple(raw["compress_ratios"][:raw["num_hidden_layers"]])
+    assert released.compress_rope.factor == 16 and released.main_rope.factor is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_reference_ops_on_cuda_match_cpu(checkpoints):
