@@ -135,9 +135,11 @@ class ShardWriter:
                 _pwrite_all(fd, memoryview(head), 0, path)
             except OSError as exc:
                 os.close(fd)
+                path.unlink(missing_ok=True)
                 raise _disk_error(exc, path) from None
             except OutputError:
                 os.close(fd)
+                path.unlink(missing_ok=True)
                 raise
             self.fds[i] = fd
         return fd

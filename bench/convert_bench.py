@@ -1,0 +1,179 @@
+"""Converter benchmark (not a test): conversion time against ``cp -r`` of the same source, peak anonymous
+memory, throughput; default options and ``--dense keep``; and the memory check at twice the experts.
+
+    python bench/convert_bench.py --workdir /tmp/convert-bench            # makes the checkpoints if missing
+    python bench/convert_bench.py --workdir DIR --runs 2 --workers 2 --json results.json
+
+Sources are synthetic checkpoints with real V4-Flash layer shapes (``synth`` presets
+``flash-layer``: H=4096, I=2048, 64 experts, 3 layers + MTP, ~3.9 GB; ``flash-layer-2x``: the same
+with 128 experts, ~7.5 GB). Caches cannot be dropped here (no root access to
+``/proc/sys/vm/drop_caches`` assumed), so every timed command starts with the source warm in the
+page cache: it is read once (``cat > /dev/null``) right before each run, for ``cp -r`` and the
+converter alike. ``cp -r`` is timed with and without a final ``sync`` (the converter fsyncs every
+shard, so ``cp -r && sync`` is the like-for-like figure). Peak anonymous memory is ``RssAnon`` of
+the converter process sampled from ``/proc/PID/status`` every 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+GiB = 1024**3
+
+
+def warm(src: Path) -> None:
+    for p in sorted(src.iterdir()):
+        if p.is_file():
+            with open(p, "rb", buffering=0) as f:
+                while f.read(64 << 20):
+                    pass
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def rss_anon(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def run_sampled(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProcess]:
+    """Run ``cmd``; return (wall seconds, peak RssAnon bytes, result)."""
+    peak = 0
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            v = rss_anon(proc.pid)
+            if v is not None:
+                peak = max(peak, v)
+            time.sleep(0.01)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    out, err = proc.communicate()
+    wall = time.perf_counter() - t0
+    done.set()
+    t.join()
+    return wall, peak, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def time_cp(src: Path, dst: Path, sync: bool) -> float:
+    shutil.rmtree(dst, ignore_errors=True)
+    warm(src)
+    t0 = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    if sync:
+        subprocess.run(["sync"], check=True)
+    wall = time.perf_counter() - t0
+    shutil.rmtree(dst, ignore_errors=True)
+    subprocess.run(["sync"], check=True)
+    return wall
+
+
+def time_convert(src: Path, out: Path, extra: list[str], workers: int) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run(["sync"], check=True)
+    warm(src)
+    cmd = [sys.executable, "-m", "nvfp4_megamoe.convert.cli", "convert", str(src), str(out), "--no-progress",
+           "--workers", str(workers), *extra]
+    wall, peak, res = run_sampled(cmd)
+    if res.returncode != 0:
+        raise SystemExit(f"conversion failed:\n{res.stderr[-3000:]}")
+    result = {"wall_s": wall, "peak_rss_anon": peak, "out_bytes": folder_bytes(out)}
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run(["sync"], check=True)
+    return result
+
+
+def baseline_rss() -> int:
+    """RssAnon of a process that only imports the converter (interpreter + torch + libraries)."""
+    code = ("import nvfp4_megamoe.convert.api, nvfp4_megamoe.convert.cli, time, os;"
+            "print(open(f'/proc/{os.getpid()}/status').read())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return next(int(line.split()[1]) * 1024 for line in out.splitlines() if line.startswith("RssAnon:"))
+
+
+def ensure(workdir: Path, preset: str) -> Path:
+    path = workdir / preset
+    if not (path / "model.safetensors.index.json").exists():
+        from nvfp4_megamoe.convert.synth import write_synthetic
+
+        print(f"generating {preset} in {path} (slow, once) ...", flush=True)
+        shutil.rmtree(path, ignore_errors=True)
+        write_synthetic(path, preset=preset, variant="flash")
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/convert-bench"))
+    ap.add_argument("--preset", default="flash-layer")
+    ap.add_argument("--twice", default="flash-layer-2x", help="preset with twice the experts ('' to skip)")
+    ap.add_argument("--runs", type=int, default=1, help="runs per measurement (the best is reported)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    src = ensure(args.workdir, args.preset)
+    twice = ensure(args.workdir, args.twice) if args.twice else None
+    size = folder_bytes(src)
+    res: dict = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+                            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM",
+                 "load_before": os.getloadavg(), "source": str(src), "source_bytes": size, "workers": args.workers,
+                 "baseline_rss_anon": baseline_rss()}
+    best = lambda xs, key: min(xs, key=lambda r: r[key])  # noqa: E731
+    res["cp_s"] = min(time_cp(src, args.workdir / "cp-copy", sync=False) for _ in range(args.runs))
+    res["cp_sync_s"] = min(time_cp(src, args.workdir / "cp-copy", sync=True) for _ in range(args.runs))
+    for name, extra in (("default", []), ("dense_keep", ["--dense", "keep"])):
+        runs = [time_convert(src, args.workdir / "out", extra, args.workers) for _ in range(args.runs)]
+        res[name] = best(runs, "wall_s")
+        res[name]["peak_rss_anon"] = max(r["peak_rss_anon"] for r in runs)
+    if twice is not None:
+        res["twice_source_bytes"] = folder_bytes(twice)
+        res["twice_default"] = time_convert(twice, args.workdir / "out", [], args.workers)
+    res["load_after"] = os.getloadavg()
+
+    print(f"\nmachine: {res['machine']}; load average before {res['load_before'][0]:.1f}, after {res['load_after'][0]:.1f}")
+    print(f"source: {src} ({size / 1e9:.2f} GB); workers {args.workers}; best of {args.runs}; source warm in the page "
+          "cache before every timed command (read once with cat-like reads)")
+    print(f"baseline RssAnon (imports only): {res['baseline_rss_anon'] / 2**20:.0f} MiB")
+    print(f"cp -r: {res['cp_s']:.1f} s   cp -r && sync: {res['cp_sync_s']:.1f} s")
+    print("| run | time (s) | / cp -r | / cp -r+sync | source GB/s | peak RssAnon (MiB) |")
+    print("|---|---|---|---|---|---|")
+    rows = [("default", res["default"], size), ("--dense keep", res["dense_keep"], size)]
+    if twice is not None:
+        rows.append(("default, 2x experts", res["twice_default"], res["twice_source_bytes"]))
+    for label, r, nbytes in rows:
+        ratio = "" if nbytes != size else f"{r['wall_s'] / res['cp_s']:.2f}"
+        ratio_s = "" if nbytes != size else f"{r['wall_s'] / res['cp_sync_s']:.2f}"
+        print(f"| {label} | {r['wall_s']:.1f} | {ratio} | {ratio_s} | {nbytes / r['wall_s'] / 1e9:.2f} | "
+              f"{r['peak_rss_anon'] / 2**20:.0f} |")
+    if twice is not None:
+        growth = res["twice_default"]["peak_rss_anon"] / res["default"]["peak_rss_anon"] - 1
+        print(f"peak RssAnon growth at twice the experts: {growth * 100:+.1f}%")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
