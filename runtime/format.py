@@ -35,6 +35,16 @@ def fused_expert_names(prefix: str, proj: str) -> dict[str, str]:
     return {"weight": f"{base}.weight", "weight_scale": f"{base}.weight_scale", "alpha": f"{base}.alpha"}
 
 
+def nvfp4_linear_names(prefix: str) -> dict[str, str]:
+    """Tensor names of a dense NVFP4 linear ``prefix`` (codes, swizzled scales, alpha)."""
+    return {"weight": f"{prefix}.weight", "weight_scale": f"{prefix}.weight_scale", "alpha": f"{prefix}.alpha"}
+
+
+def fp8_linear_names(prefix: str) -> dict[str, str]:
+    """Tensor names of an FP8 block-scaled linear ``prefix`` kept with ``--dense keep``."""
+    return {"weight": f"{prefix}.weight", "scale": f"{prefix}.scale"}
+
+
 def read_manifest(path: str | Path) -> dict:
     """Load and check a converted checkpoint's manifest.
 

@@ -22,7 +22,7 @@ import torch
 from nvfp4_megamoe.kernels.nvfp4 import BLOCK
 from .checkpoint import Checkpoint
 from .config import ModelConfig
-from .format import FormatError, fused_expert_names
+from .format import FormatError, fp8_linear_names, fused_expert_names, nvfp4_linear_names
 
 
 @dataclass
@@ -168,14 +168,14 @@ class WeightLoader:
 
     def linear(self, prefix: str) -> Linear:
         ck = self.ckpt
-        if f"{prefix}.alpha" in ck and f"{prefix}.weight_scale" in ck:
-            lin = Nvfp4Linear(self.tensor(f"{prefix}.weight"), self.tensor(f"{prefix}.weight_scale"),
-                              self.tensor(f"{prefix}.alpha").float())
+        nv, fp8 = nvfp4_linear_names(prefix), fp8_linear_names(prefix)
+        if nv["alpha"] in ck and nv["weight_scale"] in ck:
+            lin = Nvfp4Linear(self.tensor(nv["weight"]), self.tensor(nv["weight_scale"]), self.tensor(nv["alpha"]).float())
             if lin.weight.dtype != torch.uint8:
-                raise FormatError(f"{prefix}.weight: NVFP4 codes must be U8, got {lin.weight.dtype}")
+                raise FormatError(f"{nv['weight']}: NVFP4 codes must be U8, got {lin.weight.dtype}")
             return lin
-        if f"{prefix}.scale" in ck:
-            return Fp8Linear(self.tensor(f"{prefix}.weight"), self.tensor(f"{prefix}.scale"))
+        if fp8["scale"] in ck:
+            return Fp8Linear(self.tensor(fp8["weight"]), self.tensor(fp8["scale"]))
         weight = self.tensor(f"{prefix}.weight")
         if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise FormatError(f"{prefix}.weight: {weight.dtype} with no scale tensor next to it; "
