@@ -8,6 +8,9 @@ workspaces are sized once for ``max_tokens``, so the call is CUDA-graph capturab
    (its CTAs also zero ``out``, so no memset launch);
 3. ``Sm90Nvfp4GroupedGemm(mode="scatter")`` over ``w2``: ``out[t] += w * (h @ W2.T)``.
 
+From ``WGMMA_MIN_MEAN`` routed pairs per expert on (prefill), steps 2 and 3 run the WGMMA kernels of
+``sm90_moe_wgmma`` instead (same operands and epilogues; ``tuning={"wgmma": True/False}`` forces a path).
+
 Weights are format 1 as written by ``convert`` (``docs/format.md``); the contract of each operand is
 in ``sm90_moe_gemm``. Compiled kernels are cached in-process by their static configuration (and on
 disk by CuTeDSL's own file cache); :meth:`Sm90NvFp4MoE.warmup` compiles every configuration a
