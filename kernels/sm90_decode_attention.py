@@ -367,28 +367,31 @@ class Sm90DecodeAttention:
             ptx.st_shared_f32(sbase + OFF_BIAS + slot * (CHUNK * 4) + r * 4, bias)
 
 
-COMBINE_THREADS = 512
-COMBINE_GROUPS = COMBINE_THREADS // (HEAD_DIM // 4)   # thread groups splitting the splits
 MAX_SPLITS = 1024
 
 
 class Sm90DecodeAttentionCombine:
     """Merge the splits: ``out[b, h] = sum_s 2^(m_s - M) O_s / (2^(sink - M) + sum_s 2^(m_s - M) l_s)``,
-    M = max(sink, m_s) (log2 units). Grid (H, B), 512 threads: the weights ``2^(m_s - M)`` and the
-    denominator are computed once per block (all splits' ``(m, l)`` loaded in parallel); then 4 groups
-    of 128 threads (4 dims each) sum every 4th split's ``O_s`` and add up through shared memory, so
-    the dependent-load chain is S / 4 deep, not 2 S. At most ``MAX_SPLITS`` splits."""
+    M = max(sink, m_s) (log2 units). Grid (H, B), ``128 * groups`` threads: the weights ``2^(m_s - M)``
+    and the denominator are computed once per block (all splits' ``(m, l)`` loaded in parallel); then
+    each group of 128 threads (4 dims each) sums every ``groups``-th split's ``O_s`` and the groups add
+    up through shared memory, so the dependent-load chain is S / groups deep. At most ``MAX_SPLITS``."""
+
+    def __init__(self, groups: int = 1):
+        self.groups = groups
 
     def key(self) -> tuple:
-        return ()
+        return (self.groups,)
 
     @cute.jit
     def __call__(self, mOpart: cute.Tensor, mML: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor, stream):
         self.kernel(mOpart, mML, mSink, mOut).launch(
-            grid=[mOut.shape[1], mOut.shape[0], 1], block=[COMBINE_THREADS, 1, 1], stream=stream)
+            grid=[mOut.shape[1], mOut.shape[0], 1], block=[128 * self.groups, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mOpart: cute.Tensor, mML: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor):
+        COMBINE_GROUPS = self.groups
+        COMBINE_THREADS = 128 * COMBINE_GROUPS
         tidx, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -397,7 +400,7 @@ class Sm90DecodeAttentionCombine:
         n_heads = mOut.shape[1]
         n_splits = mML.shape[2]
         smem = cutlass.memory.SmemAllocator()
-        sb = smem.allocate_array(Float32, MAX_SPLITS + 2 * n_warps + (COMBINE_GROUPS - 1) * HEAD_DIM,
+        sb = smem.allocate_array(Float32, MAX_SPLITS + 2 * n_warps + max(COMBINE_GROUPS - 1, 1) * HEAD_DIM,
                                  byte_alignment=16).toint()
         s_f = sb
         s_red = sb + MAX_SPLITS * 4
@@ -445,10 +448,11 @@ class Sm90DecodeAttentionCombine:
             v = ptx.ld_global_v4_f32(op + Int64(s) * (HEAD_DIM * 4))
             for i in cutlass.range_constexpr(4):
                 o[i] = o[i] + f * v[i]
-        if q > 0:
-            for i in cutlass.range_constexpr(4):
-                ptx.st_shared_f32(s_o + ((q - 1) * HEAD_DIM + d4 * 4 + i) * 4, o[i])
-        cute.arch.sync_threads()
+        if const_expr(COMBINE_GROUPS > 1):
+            if q > 0:
+                for i in cutlass.range_constexpr(4):
+                    ptx.st_shared_f32(s_o + ((q - 1) * HEAD_DIM + d4 * 4 + i) * 4, o[i])
+            cute.arch.sync_threads()
         if q == 0:
             for g in cutlass.range_constexpr(1, COMBINE_GROUPS):
                 for i in cutlass.range_constexpr(4):
@@ -494,10 +498,11 @@ def _launch(op, tensors: list) -> None:
 
 
 def pick_splits(batch: int, heads: int, entries: int, sms: int = 132) -> int:
-    """Splits per (request, head block): about one wave of CTAs, no empty split."""
+    """Splits per (request, head block): at most one wave of CTAs (one CTA per SM), no empty split;
+    no split at all once the requests alone fill the SMs (no partials, no combine)."""
     n_chunks = max(1, -(-entries // CHUNK))
     ctas = batch * (heads // HEADS_PER_CTA)
-    splits = max(1, min(n_chunks, -(-sms // ctas)))
+    splits = max(1, min(n_chunks, sms // ctas))
     cps = -(-n_chunks // splits)
     return -(-n_chunks // cps)
 
@@ -562,5 +567,5 @@ def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, sca
     o_part, ml = _WORKSPACE[wkey]
     _launch(Sm90DecodeAttention(mode=mode, scale=scale, pv_heads=pv_heads), [q, kv_window, window_len, kvc, idx, sink, out, o_part, ml])
     if splits > 1:
-        _launch(Sm90DecodeAttentionCombine(), [o_part, ml, sink, out])
+        _launch(Sm90DecodeAttentionCombine(groups=4 if splits >= 8 else 1), [o_part, ml, sink, out])
     return out
