@@ -245,6 +245,12 @@ class Stager:
                 self.resident -= 1
                 self.cond.notify_all()
 
+    def fail(self, exc: BaseException) -> None:
+        """A unit failed: wake whoever waits for files (the failure is reported, not a download)."""
+        with self.cond:
+            self.error = self.error or exc
+            self.cond.notify_all()
+
     def stop(self) -> None:
         with self.cond:
             self.stopped = True
@@ -419,6 +425,7 @@ def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int
             stager.done(i)
         except BaseException as exc:  # noqa: BLE001 - collected, re-raised in unit order
             errors.append((i, exc))
+            stager.fail(exc)
         finally:
             budget.release(reserved)
             slots.release()
@@ -428,7 +435,12 @@ def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int
         for i, unit in enumerate(run):
             if errors:
                 break
-            stager.wait(i)
+            try:
+                stager.wait(i)
+            except BaseException:
+                if errors:  # a unit failed; report that failure (below), in unit order
+                    break
+                raise
             slots.acquire()
             reserved = budget.acquire(working_bytes(unit, src))
             pool.submit(run_one, i, unit, reserved)

@@ -231,7 +231,8 @@ class HubSource(FileReader):
     # ------------------------------------------------------------------ surface used by the converter
 
     def record(self) -> dict:
-        return {"kind": "hub", "repo_id": self.repo_id, "revision": self.revision, "commit": self.commit,
+        # docs/format.md: "revision" is the resolved 40-hex commit; "ref" is what was asked for.
+        return {"kind": "hub", "repo_id": self.repo_id, "revision": self.commit, "ref": self.revision,
                 "endpoint": self.endpoint}
 
     def file_size(self, file: str) -> int:

@@ -6,7 +6,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from nvfp4_megamoe.runtime.format import INDEX_FILE, MANIFEST_FILE
+from nvfp4_megamoe.runtime.format import MANIFEST_FILE
 
 from .errors import PlanError
 from .plan import classify

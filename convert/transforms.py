@@ -6,10 +6,13 @@ Composed from the primitives in ``nvfp4_megamoe.kernels``:
   then the 128x4 scale swizzle, and back. Exact both ways.
 * ``mxfp4_forward`` / ``mxfp4_inverse``: official MXFP4 -> NVFP4 closed-form cast (codes kept,
   scales moved onto one power-of-two alpha) and back to (codes, per-16 effective scales).
-* ``nvfp4_forward`` / ``nvfp4_inverse``: ModelOpt NVFP4 with separate w1/w3 global scales put on
-  one alpha, and back to (codes, effective scales).
-* ``fp8_forward`` / ``dequantize_fused``: FP8 (128x128 block scales) requantised to NVFP4 on one
-  shared alpha (lossy), and the dequantisation that verify compares with the FP8 source.
+* ``nvfp4_forward``: ModelOpt NVFP4: codes and scale bytes kept, each half keeps its own global
+  scale (format 1 stores a (gate, up) alpha pair per expert), so the path is exact.
+* ``fp8_forward`` / ``dequantize_fused``: FP8 (128x128 block scales) requantised to NVFP4 (lossy),
+  and the dequantisation that verify compares with the FP8 source.
+
+Every result carries one alpha per part (``alphas``); parts that share a global scale (the
+MXFP4 cast over w1 and w3 together, a dense fused linear) repeat the same value.
 """
 
 from __future__ import annotations
@@ -21,19 +24,17 @@ import torch
 from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize
 from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up, interleave_gate_up
 from nvfp4_megamoe.kernels.mxfp4 import mxfp4_to_nvfp4
-from nvfp4_megamoe.kernels.nvfp4 import BLOCK, block_scales_for, dequantize_nvfp4, encode_nvfp4, global_scale_for, \
-    reconcile_global_scales
-from nvfp4_megamoe.kernels.scales import decode_e4m3
+from nvfp4_megamoe.kernels.nvfp4 import BLOCK, block_scales_for, dequantize_nvfp4, encode_nvfp4, global_scale_for
 from nvfp4_megamoe.kernels.swizzle import swizzle_block_scales, unswizzle_block_scales
 
 
 @dataclass(frozen=True)
 class KernelMatrix:
-    """One output matrix in format 1: packed codes [R, K/2], swizzled scale bytes, alpha, and notes."""
+    """One output matrix in format 1: packed codes [R, K/2], swizzled scale bytes, one alpha per part."""
 
     packed: torch.Tensor
     scales: torch.Tensor
-    alpha: float
+    alphas: tuple[float, ...]
     inexact_blocks: int = 0
 
 
@@ -55,36 +56,39 @@ def from_kernel_layout(packed: torch.Tensor, swizzled: torch.Tensor, parts: int)
     return [packed], [scales]
 
 
-def effective_scales(scales: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Per-16 effective scale values e4m3 x alpha, float64 (exact for powers of two)."""
-    return decode_e4m3(scales).double() * alpha
-
-
 def mxfp4_forward(weights: list[torch.Tensor], scales: list[torch.Tensor]) -> KernelMatrix:
     """MXFP4 parts (int8 [r, K/2], E8M0 [r, K/32]) -> one fused NVFP4 matrix, codes unchanged."""
     cast = mxfp4_to_nvfp4(weights, scales)
     packed, swz = to_kernel_layout(cast.packed, cast.scales)
-    return KernelMatrix(packed, swz, cast.alpha, cast.fallback_blocks)
+    return KernelMatrix(packed, swz, (cast.alpha,) * len(weights), cast.fallback_blocks)
 
 
 def nvfp4_forward(weights: list[torch.Tensor], scales: list[torch.Tensor], alphas: list[float]) -> KernelMatrix:
-    """ModelOpt NVFP4 parts (U8 [r, K/2], E4M3 [r, K/16], own alpha) -> one fused matrix on max(alpha)."""
-    rec = reconcile_global_scales([s.view(torch.uint8) for s in scales], alphas)
-    packed, swz = to_kernel_layout([w.view(torch.uint8) for w in weights], rec.scales)
-    return KernelMatrix(packed, swz, rec.alpha, rec.changed_blocks)
+    """ModelOpt NVFP4 parts (U8 [r, K/2], E4M3 [r, K/16], own alpha) -> one fused matrix, nothing changed."""
+    for a in alphas:
+        if not (0 < a < float("inf")):
+            raise ValueError(f"weight_scale_2 must be finite and positive, got {a}")
+    packed, swz = to_kernel_layout([w.view(torch.uint8) for w in weights], [s.view(torch.uint8) for s in scales])
+    return KernelMatrix(packed, swz, tuple(float(a) for a in alphas))
 
 
-def fp8_forward(weights: list[torch.Tensor], scales: list[torch.Tensor]) -> tuple[KernelMatrix, list[torch.Tensor]]:
-    """FP8 parts (block-scaled) -> one fused NVFP4 matrix on a shared alpha, plus the float32 sources."""
+def fp8_forward(weights: list[torch.Tensor], scales: list[torch.Tensor],
+                shared_alpha: bool) -> tuple[KernelMatrix, list[torch.Tensor]]:
+    """FP8 parts (block-scaled) -> one fused NVFP4 matrix, plus the float32 sources.
+
+    With ``shared_alpha`` all parts are quantised on one global scale (a dense fused linear has
+    a single alpha); otherwise each part gets its own (routed experts carry a pair).
+    """
     values = [fp8_block_dequantize(w, s) for w, s in zip(weights, scales)]
-    alpha = global_scale_for(max(float(v.abs().max()) for v in values))
-    blocks = [block_scales_for(v, alpha) for v in values]
-    packed = [encode_nvfp4(v, b, alpha) for v, b in zip(values, blocks)]
+    amax = [float(v.abs().max()) for v in values]
+    alphas = [global_scale_for(max(amax))] * len(values) if shared_alpha else [global_scale_for(a) for a in amax]
+    blocks = [block_scales_for(v, a) for v, a in zip(values, alphas)]
+    packed = [encode_nvfp4(v, b, a) for v, b, a in zip(values, blocks, alphas)]
     p, swz = to_kernel_layout(packed, blocks)
-    return KernelMatrix(p, swz, alpha), values
+    return KernelMatrix(p, swz, tuple(alphas)), values
 
 
 def dequantize_fused(m: KernelMatrix, parts: int) -> list[torch.Tensor]:
     """A fused format-1 matrix -> float32 values per part (gate, up) or the single part."""
     packed, scales = from_kernel_layout(m.packed, m.scales, parts)
-    return [dequantize_nvfp4(p, s, m.alpha) for p, s in zip(packed, scales)]
+    return [dequantize_nvfp4(p, s, a) for p, s, a in zip(packed, scales, m.alphas)]

@@ -16,7 +16,7 @@ import torch
 from nvfp4_megamoe.kernels.mxfp4 import dequantize_mxfp4
 from nvfp4_megamoe.kernels.nvfp4 import BLOCK, dequantize_nvfp4
 from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
-from nvfp4_megamoe.runtime.format import fused_expert_names
+from nvfp4_megamoe.runtime.format import alpha_shape, fused_expert_names
 
 from .safetensors_header import DTYPES
 from .stats import ErrorStats
@@ -25,7 +25,7 @@ from .transforms import KernelMatrix, dequantize_fused, fp8_forward, mxfp4_forwa
 # Transform chains as recorded in the manifest, per source format.
 CHAINS = {
     "mxfp4": ["mxfp4_to_nvfp4(shared alpha, codes kept)"],
-    "nvfp4": ["reconcile_global_scales(max alpha)"],
+    "nvfp4": ["codes and scales kept, per-half alpha = weight_scale_2"],
     "fp8": ["fp8_block_dequantize", "quantize_nvfp4(shared alpha)"],
 }
 LAYOUT = ["swizzle_128x4"]
@@ -128,7 +128,9 @@ class FusedMatrices:
         self.weight = OutputSpec(names["weight"], "U8", lead + (fused_rows, self.cols // 2), weights, chain, not lossy)
         self.scale = OutputSpec(names["weight_scale"], "U8", lead + (swizzled_nbytes(fused_rows, self.cols // BLOCK),),
                                 scales, chain, not lossy)
-        self.alpha = OutputSpec(names["alpha"], "F32", lead, scales, chain, not lossy)
+        shape = alpha_shape(self.prefix, lead)
+        self.alphas_per_item = shape[-1] if len(shape) > len(lead) else 1
+        self.alpha = OutputSpec(names["alpha"], "F32", shape, scales, chain, not lossy)
         self.outputs = [self.weight, self.scale, self.alpha]
         self.input_scale = None
         if self.fmt == "nvfp4":
@@ -156,7 +158,8 @@ class FusedMatrices:
             m = nvfp4_forward(w, s, a)
             ref = [dequantize_nvfp4(x.view(torch.uint8), y.view(torch.uint8), z) for x, y, z in zip(w, s, a)]
             return m, (ref if m.inexact_blocks else None)
-        return fp8_forward([src.read(p["weight"]) for p in item], [src.read(p["scale"]) for p in item])
+        return fp8_forward([src.read(p["weight"]) for p in item], [src.read(p["scale"]) for p in item],
+                           shared_alpha=not self.stacked)
 
     def run(self, src: Reader, sink: Sink, tick: Callable[[int], None]) -> None:
         parts = len(self.members[0])
@@ -171,7 +174,8 @@ class FusedMatrices:
                     self.stats.update(r, x)
             sink.write(self.weight.name, e * w_bytes, m.packed)
             sink.write(self.scale.name, e * s_bytes, m.scales)
-            sink.write(self.alpha.name, e * 4, torch.tensor([m.alpha], dtype=torch.float32))
+            alphas = torch.tensor(m.alphas[: self.alphas_per_item], dtype=torch.float32)
+            sink.write(self.alpha.name, e * 4 * self.alphas_per_item, alphas)
             if self.input_scale is not None:
                 scales = torch.tensor([_scalar(src.read(p["input_scale"])) for p in item], dtype=torch.float32)
                 sink.write(self.input_scale.name, e * 4 * parts, scales)

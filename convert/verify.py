@@ -305,10 +305,10 @@ class _Verifier:
         inp = unit.input_scale if unit is not None else None
         for e in items:
             scales = self.reader.read(names["weight_scale"], e)
-            alpha = float(self.reader.read(names["alpha"], e).reshape(-1)[0])
+            alphas = tuple(float(a) for a in self.reader.read(names["alpha"], e).reshape(-1))
             at = f" [expert {e}]" if e is not None else ""
-            if not (math.isfinite(alpha) and alpha > 0):
-                found[names["alpha"]].append(f"alpha{at} is {alpha!r}; it must be finite and positive")
+            if not all(math.isfinite(a) and a > 0 for a in alphas):
+                found[names["alpha"]].append(f"alpha{at} is {list(alphas)!r}; it must be finite and positive")
             pad = swizzle_padding(scales, rows, kb)
             if pad.any():
                 found[names["weight_scale"]].append(f"{int((pad != 0).sum())} swizzle padding bytes{at} are not zero")
@@ -317,7 +317,10 @@ class _Verifier:
                 found[names["weight_scale"]].append(f"{nan} NaN E4M3 bytes (0x7F/0xFF){at}")
             if unit is not None:
                 packed = self.reader.read(names["weight"], e)
-                CHECKS[unit.fmt](Item(e, packed, scales, alpha, names), unit.members[e or 0], self.src.read, acc)
+                parts = len(unit.members[e or 0])
+                if len(alphas) == 1:
+                    alphas *= parts  # a dense fused linear: one alpha shared by its parts
+                CHECKS[unit.fmt](Item(e, packed, scales, alphas, names), unit.members[e or 0], self.src.read, acc)
                 if inp is not None and inp.name in self.reader.info:
                     self.input_scale(inp.name, e, unit.members[e or 0], found, res)
             self.tick(scales.numel() + (w_info.nbytes // len(items) if unit is not None else 0))

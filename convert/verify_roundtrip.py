@@ -9,10 +9,7 @@ caller un-stacks by reading one expert's slice) and compares with the source ten
   ``2**(e8m0 - 127)`` exactly (zero blocks have no defined scale). Out-of-range blocks
   (``max k - k > 17``) must hold scale ``2**-9`` and the codes re-rounded to that step; their
   error is bounded by half the smallest E2M1 step, ``2**-11 * alpha``.
-* **ModelOpt NVFP4**: codes identical; ``alpha = max(weight_scale_2)``; the half already on
-  ``alpha`` keeps its scale bytes; the other half's effective scales are a nearest E4M3 value
-  of the source's effective scale (within ``2**-4`` relative, or ``2**-9 * alpha`` absolute in
-  E4M3's subnormal range); stacked ``input_scale`` values equal the sources.
+* **ModelOpt NVFP4**: codes, scale bytes and each half's alpha (its ``weight_scale_2``) identical.
 * **FP8 -> NVFP4** (lossy): alpha, block scales and codes are exactly what the documented recipe
   gives for the source values (so one flipped byte is found even where the error statistics
   would hardly move), and the error statistics stay within :data:`BOUNDS`.
@@ -33,10 +30,10 @@ from nvfp4_megamoe.kernels.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, u
 from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize
 from nvfp4_megamoe.kernels.mxfp4 import MX_BLOCK, dequantize_mxfp4
 from nvfp4_megamoe.kernels.nvfp4 import BLOCK, block_scales_for, dequantize_nvfp4, encode_nvfp4, global_scale_for
-from nvfp4_megamoe.kernels.scales import E4M3_MIN_SUBNORMAL, decode_e4m3, encode_e4m3
+from nvfp4_megamoe.kernels.scales import encode_e4m3
 
 from .stats import ErrorStats
-from .transforms import effective_scales, from_kernel_layout
+from .transforms import from_kernel_layout
 
 E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
 
@@ -62,12 +59,9 @@ class Bound:
 #: cosine >= 0.99987; mxfp4 fallback rel_fro <= 1.1e-7.
 BOUNDS: dict[str, Bound] = {
     "fp8": Bound(rel_fro=0.15, cosine=0.98),
-    # One E4M3 re-rounding per block scale: |error| <= 2**-4 |value| (normal scales).
-    "nvfp4": Bound(rel_fro=2.0**-4, cosine=0.998),
     # Fallback blocks only: half the smallest E2M1 step (0.5) at the smallest scale 2**-9.
     "mxfp4": Bound(rel_fro=1e-3, cosine=0.999999, max_abs_over_alpha=2.0**-11),
 }
-RECONCILE_REL = 2.0**-4
 MANIFEST_RTOL = 1e-3  # measured vs recorded rel_fro and max_abs
 MANIFEST_COS_ATOL = 1e-5
 
@@ -90,12 +84,12 @@ class UnitCheck:
 
 @dataclass(frozen=True)
 class Item:
-    """One converted item: packed [R, K/2] uint8, swizzled scale bytes, alpha; its output names."""
+    """One converted item: packed [R, K/2] uint8, swizzled scale bytes, one alpha per part; its output names."""
 
     index: int | None  # expert index for stacked outputs
     packed: torch.Tensor
     scales: torch.Tensor
-    alpha: float
+    alphas: tuple[float, ...]
     names: dict[str, str]  # "weight", "weight_scale", "alpha" -> output tensor name
 
     def where(self, part: str | None = None) -> str:
@@ -145,8 +139,9 @@ def check_mxfp4(item: Item, sources: list[dict[str, str]], read: SourceReader, a
     tops = [int(kk[nz].max()) for kk, nz in zip(k, nonzero) if nz.any()]
     m = max(tops) - E4M3_POW2_MAX if tops else 0
     want_alpha = math.ldexp(1.0, m)
-    if item.alpha != want_alpha:
-        acc.problem(item.names["alpha"], f"alpha{item.where()} is {item.alpha!r}, the MXFP4 cast gives 2**{m} = {want_alpha!r}")
+    if any(a != want_alpha for a in item.alphas):
+        acc.problem(item.names["alpha"], f"alpha{item.where()} is {list(item.alphas)!r}, the MXFP4 cast gives "
+                    f"2**{m} = {want_alpha!r}")
     inexact_here = 0
     item_stats = ErrorStats()
     worst = 0.0
@@ -179,54 +174,27 @@ def check_mxfp4(item: Item, sources: list[dict[str, str]], read: SourceReader, a
     if inexact_here:
         for j in range(parts):
             ref = dequantize_mxfp4(src_w[j], src_s[j])
-            out = dequantize_nvfp4(packed[j], scales[j], item.alpha)
+            out = dequantize_nvfp4(packed[j], scales[j], want_alpha)
             item_stats.update(ref, out)
-            worst = max(worst, float((out - ref).abs().max()) / item.alpha)
+            worst = max(worst, float((out - ref).abs().max()) / want_alpha)
         _add_item(acc, item_stats, inexact_here, worst)
 
 
 def check_nvfp4(item: Item, sources: list[dict[str, str]], read: SourceReader, acc: UnitCheck) -> None:
-    """ModelOpt NVFP4 (per-half global scales) -> one alpha: codes exact, scales within one E4M3 rounding."""
+    """ModelOpt NVFP4: codes, scale bytes and each half's global scale are the source's, bit for bit."""
     parts = len(sources)
     packed, scales = _parts(item, parts)
-    src_w = [read(p["weight"]).view(torch.uint8) for p in sources]
-    src_s = [read(p["weight_scale"]).view(torch.uint8) for p in sources]
-    src_a = [float(read(p["weight_scale_2"]).float().reshape(-1)[0]) for p in sources]
-    want_alpha = max(src_a)
-    if item.alpha != want_alpha:
-        acc.problem(item.names["alpha"], f"alpha{item.where()} is {item.alpha!r}, expected max(weight_scale_2) = "
-                    f"{want_alpha!r} of {', '.join(p['weight_scale_2'] for p in sources)}")
-    inexact_here = 0
     for j, name in enumerate(PART_NAMES[parts]):
-        bad = packed[j] != src_w[j]
-        if bad.any():
-            acc.problem(item.names["weight"], f"{_count(bad)} packed bytes{item.where(name)} differ from "
-                        f"{sources[j]['weight']} ({_first_diff(bad)})")
-        src_eff = decode_e4m3(src_s[j]).double() * src_a[j]
-        eff = effective_scales(scales[j], want_alpha)  # a wrong alpha is reported once, above
-        if src_a[j] == want_alpha:
-            bad = scales[j] != src_s[j]
+        p = sources[j]
+        src_a = float(read(p["weight_scale_2"]).float().reshape(-1)[0])
+        if item.alphas[j] != src_a:
+            acc.problem(item.names["alpha"], f"alpha{item.where(name)} is {item.alphas[j]!r}, expected "
+                        f"{p['weight_scale_2']} = {src_a!r}")
+        for out, src_name, what in ((packed[j], p["weight"], "packed bytes"), (scales[j], p["weight_scale"], "scale bytes")):
+            bad = out != read(src_name).view(torch.uint8)
             if bad.any():
-                acc.problem(item.names["weight_scale"], f"{_count(bad)} scale bytes{item.where(name)} differ from "
-                            f"{sources[j]['weight_scale']} ({_first_diff(bad)})")
-            continue
-        # The reconciled scale must be a nearest E4M3 value to the source's effective scale / alpha.
-        want = src_eff / want_alpha
-        target = torch.where(want > 0, want.clamp(min=E4M3_MIN_SUBNORMAL), want)
-        nearest = decode_e4m3(encode_e4m3(target.float())).double()
-        got = decode_e4m3(scales[j]).double()
-        not_nearest = (got - target).abs() > (nearest - target).abs() * (1 + 1e-12) + 1e-300
-        bound = torch.maximum(RECONCILE_REL * src_eff, torch.full_like(src_eff, E4M3_MIN_SUBNORMAL * want_alpha))
-        bad = not_nearest | ((eff - src_eff).abs() > bound) | (got.isnan())
-        if bad.any():
-            acc.problem(item.names["weight_scale"], f"{_count(bad)} reconciled scales{item.where(name)} are not the "
-                        f"E4M3 rounding of {sources[j]['weight_scale']} x {src_a[j]!r} / alpha ({_first_diff(bad)})")
-        inexact_here += _count(eff != src_eff)
-    if inexact_here:
-        stats = ErrorStats()
-        for j in range(parts):
-            stats.update(dequantize_nvfp4(src_w[j], src_s[j], src_a[j]), dequantize_nvfp4(packed[j], scales[j], item.alpha))
-        _add_item(acc, stats, inexact_here, 0.0)
+                acc.problem(item.names["weight" if what == "packed bytes" else "weight_scale"],
+                            f"{_count(bad)} {what}{item.where(name)} differ from {src_name} ({_first_diff(bad)})")
 
 
 def check_fp8(item: Item, sources: list[dict[str, str]], read: SourceReader, acc: UnitCheck) -> None:
@@ -234,12 +202,15 @@ def check_fp8(item: Item, sources: list[dict[str, str]], read: SourceReader, acc
     parts = len(sources)
     packed, scales = _parts(item, parts)
     values = [fp8_block_dequantize(read(p["weight"]), read(p["scale"])) for p in sources]
-    want_alpha = global_scale_for(max(float(v.abs().max()) for v in values))
-    if item.alpha != want_alpha:
-        acc.problem(item.names["alpha"], f"alpha{item.where()} is {item.alpha!r}, the recipe gives amax/(6*448) = "
-                    f"{want_alpha!r}")
+    amax = [float(v.abs().max()) for v in values]
+    shared = len(set(item.alphas)) == 1 and item.index is None  # dense fused linears share one alpha
+    want_alphas = [global_scale_for(max(amax))] * parts if shared else [global_scale_for(a) for a in amax]
+    if list(item.alphas) != want_alphas:
+        acc.problem(item.names["alpha"], f"alpha{item.where()} is {list(item.alphas)!r}, the recipe gives amax/(6*448) = "
+                    f"{want_alphas!r}")
     stats = ErrorStats()
     for j, name in enumerate(PART_NAMES[parts]):
+        want_alpha = want_alphas[j]
         bad = scales[j] != block_scales_for(values[j], want_alpha)  # a wrong alpha is reported once, above
         if bad.any():
             acc.problem(item.names["weight_scale"], f"{_count(bad)} block scales{item.where(name)} are not "
@@ -248,7 +219,7 @@ def check_fp8(item: Item, sources: list[dict[str, str]], read: SourceReader, acc
         if bad.any():
             acc.problem(item.names["weight"], f"{_count(bad)} E2M1 codes{item.where(name)} are not the nearest codes "
                         f"of {sources[j]['weight']} under the stored scales ({_first_diff(bad)})")
-        stats.update(values[j], dequantize_nvfp4(packed[j], scales[j], item.alpha))
+        stats.update(values[j], dequantize_nvfp4(packed[j], scales[j], want_alpha))
     _add_item(acc, stats, 0, 0.0)
 
 

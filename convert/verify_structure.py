@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
-from nvfp4_megamoe.runtime.format import INDEX_FILE, MANIFEST_FILE, SHARD_METADATA, FormatError, read_manifest
+from nvfp4_megamoe.runtime.format import INDEX_FILE, MANIFEST_FILE, SHARD_METADATA, FormatError, read_manifest, alpha_shape
 
 from .errors import SourceError
 from .safetensors_header import Header, read_header
@@ -147,8 +147,9 @@ def check_against_config(config: dict, lay: Layout, fail: Fail) -> None:
         want = lead + (swizzled_nbytes(rows, kb),)
         if s.dtype != "U8" or s.shape != want:
             problems.append((prefix + ".weight_scale", shard, f"is {s.dtype} {list(s.shape)}, expected U8 {list(want)}"))
-        if a.dtype != "F32" or a.shape != lead:
-            problems.append((prefix + ".alpha", shard, f"is {a.dtype} {list(a.shape)}, expected F32 {list(lead)}"))
+        if a.dtype != "F32" or a.shape != alpha_shape(prefix, lead):
+            problems.append((prefix + ".alpha", shard, f"is {a.dtype} {list(a.shape)}, expected F32 "
+                             f"{list(alpha_shape(prefix, lead))}"))
         if ".ffn.experts." in prefix + ".":
             e, i, h = (int(config.get(k, -1)) for k in ("n_routed_experts", "moe_intermediate_size", "hidden_size"))
             fused = prefix.rsplit(".", 1)[1]

@@ -9,7 +9,8 @@ of its top-k, with ``e = topk_ids[t, j]`` and ``w = topk_weights[t, j]``:
     out[t] += h @ W2[e].T
 
 ``W13[e]`` / ``W2[e]`` are the dequantised format-1 tensors (``e2m1 x e4m3 x alpha``, scales in the
-128x4 swizzle; see ``docs/format.md``). Only the experts that some token selects are decoded, one
+128x4 swizzle; see ``docs/format.md``). ``w13_alpha`` is format 1's ``[E, 2]`` pair (gate rows
+take ``alpha[e, 0]``, up rows ``alpha[e, 1]``); an ``[E]`` alpha is shared by both halves. Only the experts that some token selects are decoded, one
 at a time, so memory stays at one expert's fp32 weights. A repeated expert id in one row counts
 once per occurrence. The result is float32 ``[T, H]`` whatever the dtype of ``x``; the arithmetic
 is float32 (pass float64-castable inputs through :func:`moe_reference_dense` to check it).
@@ -21,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .interleave import deinterleave_gate_up
-from .nvfp4_reference import decode_weight
+from .nvfp4_reference import decode_gate_up, decode_weight
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
@@ -44,8 +44,10 @@ def _check(x, topk_ids, topk_weights, w13, w13_scale, w13_alpha, w2, w2_scale, w
     e, two_i, _ = w13.shape
     if w2.dim() != 3 or w2.shape[0] != e or w2.shape[1] != h or w2.shape[2] * 4 != two_i or w2.dtype != torch.uint8:
         raise ValueError(f"w2 must be uint8 [E={e}, H={h}, I/2={two_i // 4}], got {w2.dtype} {tuple(w2.shape)}")
-    if w13_scale.shape[0] != e or w2_scale.shape[0] != e or w13_alpha.shape != (e,) or w2_alpha.shape != (e,):
-        raise ValueError("scales must be [E, bytes] and alphas [E]")
+    if w13_scale.shape[0] != e or w2_scale.shape[0] != e or w2_alpha.shape != (e,) or \
+            w13_alpha.shape not in ((e,), (e, 2)):
+        raise ValueError(f"scales must be [E={e}, bytes], w13_alpha [E, 2] (or [E]) and w2_alpha [E]; got "
+                         f"{tuple(w13_alpha.shape)} and {tuple(w2_alpha.shape)}")
 
 
 def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -58,7 +60,8 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         x: activations ``[T, H]`` (bf16 or float).
         topk_ids: ``[T, k]`` integer expert ids in ``[0, E)``.
         topk_weights: ``[T, k]`` routing weights (already renormalised and scaled).
-        w13, w13_scale, w13_alpha: ``uint8 [E, 2I, H/2]``, ``uint8 [E, swz(2I, H/16)]``, ``float32 [E]``.
+        w13, w13_scale, w13_alpha: ``uint8 [E, 2I, H/2]``, ``uint8 [E, swz(2I, H/16)]``, ``float32 [E, 2]``
+            (gate, up; or ``[E]`` shared).
         w2, w2_scale, w2_alpha: ``uint8 [E, H, I/2]``, ``uint8 [E, swz(H, I/16)]``, ``float32 [E]``.
         swiglu_limit: the clamp ``L`` (``config.swiglu_limit``), or None for no clamp.
 
@@ -74,7 +77,7 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     for e in torch.unique(flat_ids).tolist():
         sel = (flat_ids == e).nonzero().squeeze(1)
         tokens = token_of[sel]
-        gate_w, up_w = deinterleave_gate_up(decode_weight(w13[e], w13_scale[e], w13_alpha[e]))
+        gate_w, up_w = decode_gate_up(w13[e], w13_scale[e], w13_alpha[e])
         xs = xf[tokens]
         h = swiglu_clamped(xs @ gate_w.T, xs @ up_w.T, swiglu_limit) * flat_w[sel, None]
         out.index_add_(0, tokens, h @ decode_weight(w2[e], w2_scale[e], w2_alpha[e]).T)

@@ -63,3 +63,13 @@ def read_manifest(path: str | Path) -> dict:
         raise FormatError(f"{file}: format version {version} is not supported by this version "
                           f"(reads version {FORMAT_VERSION}); upgrade nvfp4-megamoe or re-convert.")
     return manifest
+
+
+def alpha_shape(prefix: str, lead: tuple[int, ...]) -> tuple[int, ...]:
+    """Shape of ``prefix.alpha`` given the weight's leading (expert) dimensions.
+
+    Stacked routed ``w13`` carries one global scale per half, ``[E, 2]`` (gate, up): ModelOpt
+    exports scale w1 and w3 separately and a shared alpha would have to re-round one half's block
+    scales. Everything else has one alpha per matrix: ``[E]`` stacked, ``[]`` dense.
+    """
+    return lead + (2,) if lead and prefix.endswith(".w13") else lead

@@ -109,7 +109,7 @@ class MoEWeights:
     """Routed experts ``[start, stop)`` of one layer, stacked and packed as the grouped kernel takes them.
 
     ``w13`` U8 [n, 2I, H/2] (gate/up interleaved by 8), ``w13_scale`` U8 [n, swz(2I, H/16)],
-    ``w13_alpha`` F32 [n]; ``w2`` U8 [n, H, I/2], ``w2_scale``, ``w2_alpha`` likewise.
+    ``w13_alpha`` F32 [n, 2] (gate, up); ``w2`` U8 [n, H, I/2], ``w2_scale``, ``w2_alpha`` F32 [n].
     """
 
     gate: DenseLinear                 # router [E, H], all experts

@@ -133,8 +133,7 @@ def converted_nvfp4_weights(converted: str | Path) -> dict[str, torch.Tensor]:
     Stacked experts become ``gate_up_proj`` / ``down_proj``; a fused shared expert ``w13`` is
     de-interleaved into ``gate_proj`` / ``up_proj``; other NVFP4 linears keep their module name.
     """
-    from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up
-    from nvfp4_megamoe.kernels.nvfp4_reference import decode_weight
+    from nvfp4_megamoe.kernels.nvfp4_reference import decode_gate_up, decode_weight
 
     converted = Path(converted)
     index = json.loads((converted / "model.safetensors.index.json").read_text())["weight_map"]
@@ -151,13 +150,13 @@ def converted_nvfp4_weights(converted: str | Path) -> dict[str, torch.Tensor]:
         w, sc, alpha = read(f"{base}.weight"), read(f"{base}.weight_scale"), read(name)
         layer = base.split(".")[1]
         if base.endswith("ffn.experts.w13"):
-            halves = [deinterleave_gate_up(decode_weight(w[e], sc[e], alpha[e])) for e in range(w.shape[0])]
+            halves = [decode_gate_up(w[e], sc[e], alpha[e]) for e in range(w.shape[0])]
             out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat(h) for h in halves])
         elif base.endswith("ffn.experts.w2"):
             out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(
                 [decode_weight(w[e], sc[e], alpha[e]) for e in range(w.shape[0])])
         elif base.endswith("shared_experts.w13"):
-            gate, up = deinterleave_gate_up(decode_weight(w, sc, alpha))
+            gate, up = decode_gate_up(w, sc, alpha)
             out[f"model.layers.{layer}.mlp.shared_experts.gate_proj.weight"] = gate
             out[f"model.layers.{layer}.mlp.shared_experts.up_proj.weight"] = up
         else:

@@ -111,7 +111,7 @@ def test_every_full_scale_tensor_maps_to_format_1(config, variant):
     assert (w13.dtype, w13.shape) == ("U8", (e, 2 * i, h // 2))
     assert outs["layers.5.ffn.experts.w13.weight_scale"].shape == (e, 2 * i * h // 16)
     assert outs["layers.5.ffn.experts.w2.weight_scale"].shape == (e, h * -(-i // 16 // 4) * 4)
-    assert outs["mtp.0.ffn.experts.w13.alpha"].shape == (e,)
+    assert outs["mtp.0.ffn.experts.w13.alpha"].shape == (e, 2) and outs["mtp.0.ffn.experts.w2.alpha"].shape == (e,)
     wo_a_in = config["num_attention_heads"] * 512 // config["o_groups"]
     assert outs["layers.0.attn.wo_a.weight"].shape == (config["o_groups"] * config["o_lora_rank"], wo_a_in // 2)
     assert outs["layers.0.ffn.shared_experts.w13.weight"].shape == (2 * i, h // 2)
