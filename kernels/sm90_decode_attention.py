@@ -22,8 +22,14 @@ CTA (8 warps, 256 threads, one per SM: 201.5 KB of shared memory):
   Logits are in log2 units (``scale * log2 e``). The two warps sharing a head tile exchange their row
   maxima through shared memory, so both hold the same running max ``m`` and each keeps a partial
   row sum ``l`` over its own entries (summed once at the end).
-* P (BF16, [64 x 64], shared) @ V: warp ``w`` owns heads ``16 (w % 4)`` and dims ``256 (w // 4) ..+256``
-  (128 float32 accumulators per thread); V fragments by ``ldmatrix.trans`` from the same KV buffer.
+* P (BF16, [64 x 64], shared) @ V: with ``pv_heads=32`` (default) warp ``w`` owns heads
+  ``32 (w % 2) ..+32`` and dims ``128 (w // 2) ..+128``, so each V fragment (``ldmatrix.trans`` from the
+  same KV buffer) feeds two MMAs; ``pv_heads=16``: heads ``16 (w % 4)``, dims ``256 (w // 4)``. Either
+  way 128 float32 accumulators per thread; the per-row rescale factors and running max pass through
+  shared memory from the S warps.
+
+Splits: :func:`pick_splits` keeps the split kernel to at most one wave (one CTA per SM) and does not
+split once the requests alone fill the SMs. Measured on an H200: ``docs/benchmarks.md``.
 The running max starts at -1e30 rather than -inf, so fully masked chunks or splits need no branch
 (every exp2 of a masked logit is exactly 0).
 """
