@@ -272,6 +272,22 @@ def working_bytes(unit, src: Source) -> int:
     return WORK_FACTOR.get(fmt, 20) * item
 
 
+def _malloc_trim() -> Callable[[], None]:
+    """glibc's ``malloc_trim(0)``: hand freed heap memory back to the OS. After a large unit, the freed
+    temporaries would otherwise stay in the worker thread's malloc arena and count as resident."""
+    try:
+        import ctypes
+
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+        return lambda: trim(0)
+    except (OSError, AttributeError):
+        return lambda: None
+
+
+release_memory = _malloc_trim()
+TRIM_AFTER = 64 * 2**20
+
+
 class MemoryBudget:
     """Units reserve their working memory before they run; one larger than the budget runs alone."""
 
@@ -420,6 +436,8 @@ def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int
                 unit.run(src, writer, bar.update)
             except ValueError as exc:
                 raise _unit_error(unit, exc) from None
+            if reserved >= TRIM_AFTER:
+                release_memory()
             journal.add_unit(unit.key, unit_results(unit))
             writer.written([o.name for o in unit.outputs])
             stager.done(i)

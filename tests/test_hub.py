@@ -91,8 +91,8 @@ def test_hub_conversion_is_byte_identical_to_local(hub, hub_env, tmp_path, ckpt,
     result = convert_checkpoint("org/tiny", out, shard_size=SHARD, progress=False)
     assert _shards(out) == _shards(local_out)
     src = result.manifest["source"]
-    assert src["kind"] == "hub" and src["repo_id"] == "org/tiny" and src["revision"] == "main"
-    assert src["commit"] == repo.commit and len(src["commit"]) == 40
+    assert src["kind"] == "hub" and src["repo_id"] == "org/tiny" and src["ref"] == "main"
+    assert src["revision"] == repo.commit and len(src["revision"]) == 40  # docs/format.md: the resolved commit
     for name, entry in src["files"].items():
         assert entry == {"size": (ckpt / name).stat().st_size, "sha256": _sha(ckpt / name)}
         assert entry["sha256"] == repo.sha256(name)
@@ -183,7 +183,7 @@ def test_offline_mode_uses_the_cache(hub, hub_env, tmp_path, local_out, monkeypa
     result = convert_checkpoint("org/tiny", tmp_path / "offline", shard_size=SHARD, progress=False)
     assert hub.log == []  # not a single request
     assert _shards(tmp_path / "offline") == _shards(local_out)
-    assert result.manifest["source"]["commit"] == hub.repos["org/tiny"].commit
+    assert result.manifest["source"]["revision"] == hub.repos["org/tiny"].commit
     online = json.loads((tmp_path / "online" / "nvfp4_manifest.json").read_text())
     assert result.manifest["source"]["files"] == online["source"]["files"]
 
