@@ -119,7 +119,7 @@ def quack_layer(w: dict, h: int, i: int, k: int):
             s2 = unswizzle_block_scales(w["w2_scale"][e], h, i // 16).contiguous()
             b13, f13 = prepare_w4_weight(w["w13"][e], s13, "nvfp4")
             b2, f2 = prepare_w4_weight(w["w2"][e], s2, "nvfp4")
-            cache[e] = (b13, f13, float(w["w13_alpha"][e]), b2, f2, float(w["w2_alpha"][e]))
+            cache[e] = (b13, f13, float(w["w13_alpha"][e, 0]), b2, f2, float(w["w2_alpha"][e]))
         return cache[e]
 
     def build(x, ids, wts, out):
@@ -190,7 +190,7 @@ def humming_layer(w: dict, h: int, i: int, e: int, k: int):
     for name, n, kk in (("w13", 2 * i, h), ("w2", h, i)):
         scale = torch.stack([unswizzle_block_scales(w[name + "_scale"][j], n, kk // 16) for j in range(e)])
         for suffix, t in (("weight", w[name].view(torch.int32)), ("weight_scale", scale.view(torch.float8_e4m3fn)),
-                          ("weight_scale_2", w[name + "_alpha"].float())):
+                          ("weight_scale_2", w[name + "_alpha"].reshape(e, -1)[:, 0].float())):
             setattr(layer, f"{name}_{suffix}", torch.nn.Parameter(t.contiguous(), requires_grad=False))
         HummingMethod.prepare_layer_meta(layer, shape_n=n, shape_k=kk, weight_schema=schema, num_experts=e,
                                          torch_dtype=torch.bfloat16, sublayer_name=name)
@@ -246,7 +246,8 @@ def main() -> None:
         impls = list(base_impls)
         h, i, e, k = MODELS[model]
         gen = torch.Generator(device="cuda").manual_seed(0)
-        w = random_moe_weights(e, h, i, generator=gen, device="cuda")
+        # one w13 scale per expert: the anchors (humming, QuACK) take a single global scale per matrix
+        w = random_moe_weights(e, h, i, generator=gen, device="cuda", distinct_halves=False)
         per_expert = (w["w13"][0].numel() + w["w13_scale"][0].numel() + w["w2"][0].numel() + w["w2_scale"][0].numel())
         layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=max(tokens),
                              tuning=json.loads(args.ours_tuning))
@@ -262,7 +263,7 @@ def main() -> None:
                                           max_tokens=max(tokens), tuning=tune)
             impls = [m for m in impls if m != name] + [name]
         if "torch_bf16" in impls:
-            w13b = torch.stack([decode_weight(w["w13"][j], w["w13_scale"][j], w["w13_alpha"][j]).to(torch.bfloat16)
+            w13b = torch.stack([decode_weight(w["w13"][j], w["w13_scale"][j], w["w13_alpha"][j, 0]).to(torch.bfloat16)
                                 for j in range(e)])
             w2b = torch.stack([decode_weight(w["w2"][j], w["w2_scale"][j], w["w2_alpha"][j]).to(torch.bfloat16)
                                for j in range(e)])

@@ -102,14 +102,16 @@ def moe_reference_dense(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: t
 
 
 def random_moe_weights(experts: int, hidden: int, intermediate: int, *, generator: torch.Generator | None = None,
-                       device: torch.device | str = "cpu", subnormal_fraction: float = 0.02
-                       ) -> dict[str, torch.Tensor]:
+                       device: torch.device | str = "cpu", subnormal_fraction: float = 0.02,
+                       distinct_halves: bool = True) -> dict[str, torch.Tensor]:
     """Random format-1 expert weights (test and benchmark fixture), never zeros.
 
     Every E2M1 code occurs (-0 and 0.5 included); block scales are E4M3 bytes in [0.25, 3] plus a
     ``subnormal_fraction`` of subnormal bytes (2**-9 .. 7 * 2**-9); alphas are sized so that
     x ~ N(0, 1) gives gate/up of a few units (the SwiGLU clamp at 10 is reached now and then) and
-    outputs of order one. Returns the nine tensors of :func:`moe_reference` by name.
+    outputs of order one; ``w13_alpha`` is the format's [E, 2] (gate, up) pair, two different
+    values unless ``distinct_halves`` is False (for anchors that take one scale per expert).
+    Returns the nine tensors of :func:`moe_reference` by name.
     """
     from .swizzle import swizzle_block_scales
 
@@ -132,7 +134,7 @@ def random_moe_weights(experts: int, hidden: int, intermediate: int, *, generato
     return {
         "w13": codes(experts, 2 * intermediate, hidden // 2),
         "w13_scale": scales(2 * intermediate, hidden // 16),
-        "w13_alpha": alphas(hidden),
+        "w13_alpha": torch.stack([a := alphas(hidden), alphas(hidden) if distinct_halves else a], dim=1),
         "w2": codes(experts, hidden, intermediate // 2),
         "w2_scale": scales(hidden, intermediate // 16),
         "w2_alpha": alphas(intermediate) / 3.0,

@@ -149,8 +149,9 @@ class Sm90NvFp4MoE:
                 f"w13_scale must be uint8 [E, swz(2I, H/16)], got {w13_scale.dtype} {tuple(w13_scale.shape)}")
         _expect(tuple(w2_scale.shape) == (e, swizzled_nbytes(h, i // 16)) and w2_scale.dtype == torch.uint8,
                 f"w2_scale must be uint8 [E, swz(H, I/16)], got {w2_scale.dtype} {tuple(w2_scale.shape)}")
-        for name, a in (("w13_alpha", w13_alpha), ("w2_alpha", w2_alpha)):
-            _expect(a.dtype == torch.float32 and tuple(a.shape) == (e,), f"{name} must be float32 [E={e}]")
+        for name, a, shape in (("w13_alpha", w13_alpha, (e, 2)), ("w2_alpha", w2_alpha, (e,))):
+            _expect(a.dtype == torch.float32 and tuple(a.shape) == shape,
+                    f"{name} must be float32 {list(shape)}, got {a.dtype} {tuple(a.shape)}")
         for t in (w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha):
             _expect(t.is_cuda and t.is_contiguous(), "weights must be contiguous CUDA tensors")
 
@@ -183,7 +184,8 @@ class Sm90NvFp4MoE:
         hbuf = self.hbuf[:pairs]
         _launch(routing, [topk_ids.reshape(-1), topk_weights.reshape(-1), token_of, weight_of, tiles,
                           self.num_tiles, rank])
-        _launch(l1, [w13, w13_scale, w13_alpha, x, token_of, weight_of, tiles, self.num_tiles, hbuf, out])  # zeroes out
+        _launch(l1, [w13, w13_scale, w13_alpha.reshape(-1), x, token_of, weight_of, tiles, self.num_tiles, hbuf,
+                     out])  # zeroes out; alpha pairs flattened to [2E]
         _launch(l2, [w2, w2_scale, w2_alpha, hbuf, token_of, weight_of, tiles, self.num_tiles, out, out])
         return out
 

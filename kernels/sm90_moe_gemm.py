@@ -15,7 +15,8 @@ permuted the same way in registers (one ``prmt`` per B register), so neither ope
 in memory: the kernel reads format 1 as written (``docs/format.md``).
 
 Layout contract (format 1): ``w`` uint8 [E, M, K/2] (low nibble = even k), ``s`` uint8
-[E, swz(M, K/16)] (128x4 swizzle, ``kernels/swizzle.py``), ``alpha`` f32 [E]; activations BF16
+[E, swz(M, K/16)] (128x4 swizzle, ``kernels/swizzle.py``), ``alpha`` f32 [E] (L1: the [E, 2]
+(gate, up) pair flattened to [2E]); activations BF16
 K-major. For L1 the M rows are w13's gate/up rows interleaved by 8 (``kernels/interleave.py``): the
 thread holding accumulator row r (gate j) also holds r+8 (up j), so SwiGLU is thread-local.
 
@@ -25,7 +26,8 @@ max_tiles); CTAs past ``num_tiles`` exit at once. Dense mode (one group) tiles t
 
 Epilogues (``mode``):
 * ``"swiglu"``: ``h[p, j] = bf16(silu(min(g, L)) * clamp(u, -L, L))`` for sorted pair p, with
-  ``g, u = alpha * acc``; B rows are gathered as ``x[token_of[p]]``.
+  ``g, u = alpha[e, 0] * acc_r, alpha[e, 1] * acc_{r+8}`` (a thread's rows r and r+8 are a
+  gate row and its up row thanks to the interleave); B rows are gathered as ``x[token_of[p]]``.
 * ``"scatter"``: ``out[token_of[p], r] += alpha * weight[p] * acc`` (fp32 ``red.add``; ``out``
   must be zero first); B rows are ``h[p]``.
 * ``"store"``: ``out[t, r] = alpha * acc`` (f32 or bf16), B rows are ``x[t]``, no routing.
@@ -270,7 +272,12 @@ class Sm90Nvfp4GroupedGemm:
     @cute.jit
     def epilogue(self, acc: cute.Tensor, mAlpha: cute.Tensor, mTok: cute.Tensor, mRW: cute.Tensor,
                  mOut: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32, row_base: Int32, g: Int32, c: Int32):
-        scale = mAlpha[expert] * Float32(self.epi_scale)
+        if const_expr(self.mode == "swiglu"):
+            scale_lo = mAlpha[2 * expert] * Float32(self.epi_scale)      # gate rows
+            scale_hi = mAlpha[2 * expert + 1] * Float32(self.epi_scale)  # up rows
+        else:
+            scale_lo = mAlpha[expert] * Float32(self.epi_scale)
+            scale_hi = scale_lo
         out_base = mOut.iterator.toint()
         for mt in cutlass.range_constexpr(self.row_tiles):
             r0 = row_base + mt * 16 + g
@@ -279,8 +286,8 @@ class Sm90Nvfp4GroupedGemm:
                     t = nb * 8 + 2 * c + tt
                     if t < cnt:
                         p = begin + t
-                        lo = acc[mt, nb, tt] * scale       # row r0
-                        hi = acc[mt, nb, 2 + tt] * scale   # row r0 + 8
+                        lo = acc[mt, nb, tt] * scale_lo       # row r0
+                        hi = acc[mt, nb, 2 + tt] * scale_hi   # row r0 + 8
                         if const_expr(self.mode == "swiglu"):
                             gate, up = lo, hi
                             if const_expr(self.swiglu_limit is not None):

@@ -4,7 +4,8 @@ from .backend import ReferenceBackend
 from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .format import FormatError
+from .hopper import HopperBackend
 from .model import Model, load_model
 from .state import DecodeState
 
-__all__ = ["load_model", "Model", "DecodeState", "ModelConfig", "Checkpoint", "ReferenceBackend", "FormatError"]
+__all__ = ["load_model", "Model", "DecodeState", "ModelConfig", "Checkpoint", "ReferenceBackend", "HopperBackend", "FormatError"]

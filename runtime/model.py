@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import ReferenceBackend
+from .hopper import HopperBackend, hopper_available
 from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .rope import inv_freq
@@ -220,7 +221,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", layers: lis
     ``layers``: load only these decoder layers (the forward then runs just those, in order).
     ``experts``: load only routed experts ``[start, stop)`` of every layer (expert parallelism;
     the routed-MoE output is then this rank's partial sum). ``verify_hashes``: check every shard's
-    sha256 against the manifest first. ``backend``: per-op backend (default: PyTorch references).
+    sha256 against the manifest first. ``backend``: per-op backend (default: the Hopper kernels on
+    an sm_90 GPU, compiled here before returning; the PyTorch references elsewhere).
 
     Raises :class:`~nvfp4_megamoe.runtime.format.FormatError` for a folder that is not a
     converted checkpoint, or one written by a newer/unknown format version.
@@ -228,4 +230,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", layers: lis
     ckpt = Checkpoint(path, verify_hashes=verify_hashes)
     config = ModelConfig.from_file(ckpt.path)
     weights = WeightLoader(ckpt, config, device).model(layers, experts)
-    return Model(config, weights, backend=backend, device=device, checkpoint=ckpt)
+    warm = backend is None and hopper_available(device)
+    if warm:
+        backend = HopperBackend()
+    model = Model(config, weights, backend=backend, device=device, checkpoint=ckpt)
+    if warm:
+        backend.warmup(model)
+    return model

@@ -20,14 +20,15 @@ def _quantized_experts(e: int, h: int, i: int, gen: torch.Generator):
         w1 = torch.randn(i, h, generator=gen, dtype=torch.float64) / h ** 0.5 * 3
         w3 = torch.randn(i, h, generator=gen, dtype=torch.float64) / h ** 0.5 * 3
         wd = torch.randn(h, i, generator=gen, dtype=torch.float64) / i ** 0.5
-        q13 = quantize_nvfp4(interleave_gate_up(w1, w3).float())
+        q1, q3 = quantize_nvfp4(w1.float()), quantize_nvfp4(w3.float() * 0.37)  # halves on different alphas
         q2 = quantize_nvfp4(wd.float())
-        w13.append(q13.packed), s13.append(swizzle_block_scales(q13.scales)), a13.append(q13.alpha)
+        w13.append(interleave_gate_up(q1.packed, q3.packed))
+        s13.append(swizzle_block_scales(interleave_gate_up(q1.scales, q3.scales)))
+        a13.append((q1.alpha, q3.alpha))
         w2.append(q2.packed), s2.append(swizzle_block_scales(q2.scales)), a2.append(q2.alpha)
-        fused = dequantize_nvfp4(q13.packed, q13.scales, q13.alpha).double()
-        gate = fused.view(i // 8, 2, 8, h)[:, 0].reshape(i, h)
-        up = fused.view(i // 8, 2, 8, h)[:, 1].reshape(i, h)
-        w1d.append(gate), w3d.append(up), w2d.append(dequantize_nvfp4(q2.packed, q2.scales, q2.alpha).double())
+        w1d.append(dequantize_nvfp4(q1.packed, q1.scales, q1.alpha).double())
+        w3d.append(dequantize_nvfp4(q3.packed, q3.scales, q3.alpha).double())
+        w2d.append(dequantize_nvfp4(q2.packed, q2.scales, q2.alpha).double())
     fmt = dict(w13=torch.stack(w13), w13_scale=torch.stack(s13), w13_alpha=torch.tensor(a13, dtype=torch.float32),
                w2=torch.stack(w2), w2_scale=torch.stack(s2), w2_alpha=torch.tensor(a2, dtype=torch.float32))
     return fmt, torch.stack(w1d), torch.stack(w3d), torch.stack(w2d)
@@ -61,10 +62,12 @@ def test_reference_decodes_random_format1_weights():
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
     ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0]])
     wts = torch.rand(t, k, generator=gen)
-    w13 = torch.stack([decode_weight(fmt["w13"][j], fmt["w13_scale"][j], fmt["w13_alpha"][j]) for j in range(e)])
+    assert fmt["w13_alpha"].shape == (e, 2) and bool((fmt["w13_alpha"][:, 0] != fmt["w13_alpha"][:, 1]).all())
     w2 = torch.stack([decode_weight(fmt["w2"][j], fmt["w2_scale"][j], fmt["w2_alpha"][j]) for j in range(e)])
-    gate = w13.view(e, i // 8, 2, 8, h)[:, :, 0].reshape(e, i, h).double()
-    up = w13.view(e, i // 8, 2, 8, h)[:, :, 1].reshape(e, i, h).double()
+    # gate/up from the spec (interleave by 8, gate first), each half on its own alpha
+    codes_scales = torch.stack([decode_weight(fmt["w13"][j], fmt["w13_scale"][j], 1.0) for j in range(e)])
+    gate = (codes_scales.view(e, i // 8, 2, 8, h)[:, :, 0].reshape(e, i, h) * fmt["w13_alpha"][:, 0, None, None]).double()
+    up = (codes_scales.view(e, i // 8, 2, 8, h)[:, :, 1].reshape(e, i, h) * fmt["w13_alpha"][:, 1, None, None]).double()
     ref = moe_reference_dense(x.double(), ids, wts.double(), gate, up, w2.double(), 10.0)
     out = moe_reference(x, ids, wts, **fmt, swiglu_limit=10.0)
     assert _relerr(out, ref) < 1e-5

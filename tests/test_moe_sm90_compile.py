@@ -49,9 +49,10 @@ def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma):
     w13 = torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8)
     s13 = torch.zeros(e, swizzled_nbytes(2 * i, h // 16), dtype=torch.uint8)
     alpha = torch.zeros(e)
+    alpha_pairs = torch.zeros(2 * e)  # L1 takes the [E, 2] (gate, up) pairs flattened
     x = torch.zeros(t, h, dtype=torch.bfloat16)
     hbuf = torch.zeros(p, i, dtype=torch.bfloat16)
-    assert compile_op(l1, [w13, s13, alpha, x, tok, wts, tiles, ntiles, hbuf, torch.zeros(t, h)]) is not None
+    assert compile_op(l1, [w13, s13, alpha_pairs, x, tok, wts, tiles, ntiles, hbuf, torch.zeros(t, h)]) is not None
     w2 = torch.zeros(e, h, i // 2, dtype=torch.uint8)
     s2 = torch.zeros(e, swizzled_nbytes(h, i // 16), dtype=torch.uint8)
     assert compile_op(l2, [w2, s2, alpha, hbuf, tok, wts, tiles, ntiles, torch.zeros(t, h), torch.zeros(t, h)]) is not None

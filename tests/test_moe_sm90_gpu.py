@@ -131,7 +131,7 @@ def test_dense_linear(n, kdim, t, subnormal, out_dtype):
     from nvfp4_megamoe.kernels.sm90_moe import nvfp4_linear_sm90
     gen = torch.Generator(device="cuda").manual_seed(n + t)
     w = random_moe_weights(1, kdim, n // 2, generator=gen, device="cuda", subnormal_fraction=subnormal)
-    weight, scale, alpha = w["w13"][0], w["w13_scale"][0], w["w13_alpha"][0].reshape(())
+    weight, scale, alpha = w["w13"][0], w["w13_scale"][0], w["w13_alpha"][0, 0].reshape(())
     x = torch.randn(t, kdim, device="cuda", generator=gen).to(torch.bfloat16)
     out = torch.full((t, n), float("nan"), device="cuda", dtype=out_dtype)
     nvfp4_linear_sm90(x, weight, scale, alpha, out=out)

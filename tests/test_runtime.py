@@ -346,6 +346,6 @@ def test_config_reads_release_and_transformers_spellings(checkpoints):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_reference_ops_on_cuda_match_cpu(checkpoints):
     _, out = checkpoints("tiny", "flash")
-    cpu, gpu = load_model(out), load_model(out, device="cuda")
+    cpu, gpu = load_model(out), load_model(out, device="cuda", backend=ReferenceBackend())
     ids = ids_for(cpu, 0, tokens=64)
     assert rel(gpu(ids).cpu(), cpu(ids)) < 1e-4

@@ -1,0 +1,118 @@
+"""The Hopper (sm_90a) backend: CuTeDSL kernels from ``kernels/`` where a layer's shape allows,
+the PyTorch references everywhere else.
+
+* routed experts: :class:`~nvfp4_megamoe.kernels.sm90_moe.Sm90NvFp4MoE` (W4A16: activations
+  rounded to BF16, weights decoded in registers, fp32 accumulation);
+* decode attention: :func:`~nvfp4_megamoe.kernels.sm90_decode_attention.decode_attention`
+  (head_dim 512, heads a multiple of 64), BF16 operands.
+
+``load_model(..., device="cuda")`` picks this backend on an sm_90 GPU. Kernels are compiled at
+load (:meth:`HopperBackend.warmup`) so the first forward does not pay for compilation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .backend import ReferenceBackend
+from .weights import MoEWeights
+
+# Largest token count one MoE kernel call takes; longer inputs are processed in chunks of it.
+MAX_MOE_TOKENS = 4096
+# Token counts whose kernels the warm-up compiles (decode tile, mid tiles, the WGMMA prefill path).
+WARMUP_TOKENS = (1, 16, 256)
+
+
+def hopper_available(device: str | torch.device) -> bool:
+    """True on an sm_90 CUDA device with CuTeDSL importable."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(dev) != (9, 0):
+        return False
+    try:
+        import cutlass  # noqa: F401  (the kernels need CuTeDSL)
+    except ImportError:
+        return False
+    return True
+
+
+class HopperBackend(ReferenceBackend):
+    """Reference backend with the sm_90a kernels plugged in (see the module docstring)."""
+
+    name = "sm90"
+
+    def __init__(self, max_tokens: int = MAX_MOE_TOKENS):
+        self.max_tokens = max_tokens
+        self._moe_layers: dict[tuple, object] = {}
+        self.kernel_calls = {"moe": 0, "decode_attention": 0}
+        self.warmup_seconds: float | None = None
+
+    # -- MoE --------------------------------------------------------------------------------------
+    def _moe_layer(self, experts: MoEWeights, top_k: int, swiglu_limit: float, device: torch.device):
+        from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
+
+        n, two_i, half_h = experts.w13.shape
+        key = (2 * half_h, two_i // 2, n, top_k, swiglu_limit, str(device))
+        if key not in self._moe_layers:
+            try:
+                layer = Sm90NvFp4MoE(hidden=key[0], intermediate=key[1], experts=n, top_k=top_k,
+                                     swiglu_limit=swiglu_limit, max_tokens=self.max_tokens, device=device)
+                layer.kernels(8)  # raises ValueError for shapes the kernels do not tile
+            except ValueError:
+                layer = None
+            self._moe_layers[key] = layer
+        return self._moe_layers[key]
+
+    def moe(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: MoEWeights,
+            swiglu_limit: float) -> torch.Tensor:
+        layer = self._moe_layer(experts, ids.shape[1], swiglu_limit, x.device) if x.is_cuda else None
+        if layer is None:
+            return super().moe(x, ids, weights, experts, swiglu_limit)
+        start, stop = experts.expert_range
+        # Pairs routed to experts this rank does not hold get weight 0 (and a valid local id), so the
+        # kernels' shapes and workspaces stay fixed: no host sync, graph-capturable.
+        local = ids - start
+        held = (local >= 0) & (local < stop - start)
+        local_ids = torch.where(held, local, torch.zeros_like(local)).to(torch.int32).contiguous()
+        local_w = torch.where(held, weights.float(), torch.zeros_like(weights, dtype=torch.float32)).contiguous()
+        xb = x.to(torch.bfloat16).contiguous()
+        out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        args = dict(w13=experts.w13, w13_scale=experts.w13_scale, w13_alpha=experts.w13_alpha,
+                    w2=experts.w2, w2_scale=experts.w2_scale, w2_alpha=experts.w2_alpha)
+        for s in range(0, x.shape[0], self.max_tokens):
+            e = min(s + self.max_tokens, x.shape[0])
+            layer(xb[s:e], local_ids[s:e], local_w[s:e], **args, out=out[s:e])
+        self.kernel_calls["moe"] += 1
+        return out
+
+    # -- decode attention -------------------------------------------------------------------------
+    def decode_attention(self, q: torch.Tensor, kv_window: torch.Tensor, window_len: torch.Tensor,
+                         kv_compressed: torch.Tensor | None, indices: torch.Tensor | None,
+                         sink: torch.Tensor, scale: float) -> torch.Tensor:
+        from nvfp4_megamoe.kernels.sm90_decode_attention import HEAD_DIM, HEADS_PER_CTA, decode_attention
+
+        if not (q.is_cuda and q.shape[-1] == HEAD_DIM and q.shape[1] % HEADS_PER_CTA == 0):
+            return super().decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, scale)
+        bf = lambda t: None if t is None else t.to(torch.bfloat16).contiguous()  # noqa: E731
+        idx = None if indices is None else indices.to(torch.int32).contiguous()
+        out = decode_attention(bf(q), bf(kv_window), window_len.to(torch.int32).contiguous(), bf(kv_compressed),
+                               idx, sink.float().contiguous(), scale)
+        self.kernel_calls["decode_attention"] += 1
+        return out.float()
+
+    # -- compile at load ----------------------------------------------------------------------------
+    def warmup(self, model) -> float:
+        """Compile the kernels for this model's shapes by running tiny forwards; returns seconds."""
+        t0 = time.perf_counter()
+        dev = model.device
+        for t in WARMUP_TOKENS:
+            model(torch.zeros(1, t, dtype=torch.long, device=dev))
+        state = model.new_state(1)
+        model.step(torch.zeros(1, dtype=torch.long, device=dev), state)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.warmup_seconds = time.perf_counter() - t0
+        return self.warmup_seconds
