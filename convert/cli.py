@@ -103,8 +103,7 @@ def convert(source: str, out: Path, dense: str, shard_size: int, dry_run: bool, 
         worst = max(lossy, key=lambda x: x[1])
         click.echo(f"requantized (lossy) matrices: {len(lossy)}, worst relative error {worst[1]:.3e} ({worst[0]})")
     inexact = sum(e.get("inexact_blocks", 0) for n, e in tensors.items() if n.endswith(".weight"))
-    click.echo(f"NVFP4 blocks not bit-exact to the source (MXFP4 out-of-range fallback, reconciled "
-               f"ModelOpt w1/w3 scales): {inexact}")
+    click.echo(f"MXFP4 blocks outside E4M3's exact range (re-rounded, counted in the manifest): {inexact}")
 
 
 @main.command()
@@ -147,7 +146,7 @@ def demo(workdir: Path | None, variant: str) -> None:
     weights = {n: e for n, e in result.manifest["tensors"].items() if n.endswith(".weight") and e["transform"] != ["copy"]}
     exact = sum(e["lossless"] for e in weights.values())
     click.echo(f"\nNVFP4 matrices: {len(weights)} ({exact} bit-exact, {len(weights) - exact} with measured error: "
-               "FP8 requantized or w1/w3 scales reconciled)")
+               "requantized from FP8, or MXFP4 blocks out of range)")
     click.echo(f"demo files are in {workdir}")
 
 

@@ -486,7 +486,7 @@ def format_report(rep: VerifyReport, worst: int = 3, listed: int = 50) -> str:
                  f"{checked.get('round trip', 0)} compared with the source")
     inexact = sum(r.inexact_blocks or 0 for n, r in rep.tensors.items() if n.endswith(".weight"))
     if rep.round_trip:
-        lines.append(f"  inexact blocks on lossless paths (MXFP4 fallback, reconciled scales): {inexact}")
+        lines.append(f"  inexact blocks on lossless paths (MXFP4 out-of-range fallback): {inexact}")
     lossy = sorted((r for r in rep.tensors.values() if r.error), key=lambda r: -r.error["rel_fro"])
     if lossy:
         by_path = Counter(r.source_format for r in lossy)
