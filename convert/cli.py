@@ -127,10 +127,15 @@ def synth(out: Path, preset: str, variant: str, seed: int) -> None:
               help="Where to put the source and output (default: a new temporary folder).")
 @click.option("--variant", type=click.Choice(["flash", "pro", "base", "modelopt"]), default="flash", show_default=True)
 def demo(workdir: Path | None, variant: str) -> None:
-    """Make a tiny synthetic checkpoint, convert it, and show what happened."""
+    """Make a tiny synthetic checkpoint, convert it, verify it, run it, and show what happened."""
+    import torch
+
+    from nvfp4_megamoe.runtime import load_model
+
     from .api import convert_checkpoint
     from .inspect import format_summary, inspect_checkpoint
     from .synth import write_synthetic
+    from .verify import format_report, verify_checkpoint
 
     workdir = workdir or Path(tempfile.mkdtemp(prefix="nvfp4-demo-"))
     src, out = workdir / "source", workdir / "converted"
@@ -147,7 +152,17 @@ def demo(workdir: Path | None, variant: str) -> None:
     exact = sum(e["lossless"] for e in weights.values())
     click.echo(f"\nNVFP4 matrices: {len(weights)} ({exact} bit-exact, {len(weights) - exact} with measured error: "
                "requantized from FP8, or MXFP4 blocks out of range)")
+    click.echo("")
+    report = verify_checkpoint(out, progress=False)
+    click.echo(format_report(report))
+    model = load_model(out)
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    logits = model(ids)
+    click.echo(f"\nran the converted model ({type(model.backend).__name__}) on {ids.shape[1]} tokens: logits "
+               f"{list(logits.shape)}, finite: {bool(torch.isfinite(logits).all())}, next token {int(logits[0, -1].argmax())}")
     click.echo(f"demo files are in {workdir}")
+    if not report.ok:
+        sys.exit(1)
 
 
 @main.command("inspect")
