@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import ColdTimer, capture, measure_copy  # noqa: E402
 
 MODELS = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}
 BATCHES = (1, 8, 32, 128)
@@ -37,52 +41,6 @@ CONTEXTS = (4096, 65536, 1 << 20)
 WINDOW = 128
 D = 512
 SCALE = D ** -0.5
-
-
-def measure_copy() -> float:
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ts = []
-    for _ in range(10):
-        ev[0].record(); b.copy_(a); ev[1].record(); torch.cuda.synchronize()
-        ts.append(ev[0].elapsed_time(ev[1]) * 1e-3)
-    return 2 * n / statistics.median(ts)
-
-
-class ColdTimer:
-    def __init__(self):
-        self.flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-        self.ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-
-    def time(self, graph: torch.cuda.CUDAGraph, reps: int) -> float:
-        """Median microseconds of one replay, L2 flushed before each."""
-        ts = []
-        for _ in range(reps):
-            self.flush.fill_(1)
-            self.ev[0].record(); graph.replay(); self.ev[1].record()
-            torch.cuda.synchronize()
-            ts.append(self.ev[0].elapsed_time(self.ev[1]) * 1e3)
-        return statistics.median(ts)
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    fn(); torch.cuda.synchronize()                      # compile / allocate outside the capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 
 def make_inputs(b: int, h: int, kind: str, ctx: int, top_k: int, gen: torch.Generator) -> dict:

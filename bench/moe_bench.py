@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import ColdTimer, capture, measure_bf16_matmul, measure_copy  # noqa: E402
 
 from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
 from nvfp4_megamoe.kernels.nvfp4_reference import decode_weight
@@ -30,57 +35,7 @@ LIMIT = 10.0
 
 
 def measure_ceilings() -> dict:
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ts = []
-    for _ in range(10):
-        ev[0].record(); b.copy_(a); ev[1].record(); torch.cuda.synchronize()
-        ts.append(ev[0].elapsed_time(ev[1]) * 1e-3)
-    bw = 2 * n / statistics.median(ts)
-    del a, b
-    m = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        m @ m
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(10):
-        ev[0].record(); m @ m; ev[1].record(); torch.cuda.synchronize()
-        ts.append(ev[0].elapsed_time(ev[1]) * 1e-3)
-    return {"copy_bytes_per_s": bw, "bf16_flops_per_s": 2 * 8192 ** 3 / statistics.median(ts)}
-
-
-class ColdTimer:
-    def __init__(self):
-        self.flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-        self.ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-
-    def time(self, graph: torch.cuda.CUDAGraph, reps: int) -> float:
-        ts = []
-        for _ in range(reps):
-            self.flush.fill_(1)
-            self.ev[0].record(); graph.replay(); self.ev[1].record()
-            torch.cuda.synchronize()
-            ts.append(self.ev[0].elapsed_time(self.ev[1]) * 1e3)
-        return statistics.median(ts)
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    fn(); torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    return {"copy_bytes_per_s": measure_copy(), "bf16_flops_per_s": measure_bf16_matmul()}
 
 
 def torch_bf16_layer(w13b, w2b, e, k):

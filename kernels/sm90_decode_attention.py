@@ -37,13 +37,13 @@ The running max starts at -1e30 rather than -inf, so fully masked chunks or spli
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from . import sm90_attention_ptx as ptx
+from .cute_host import expect as _expect, launch as _launch
 
 HEAD_DIM = 512
 HEADS_PER_CTA = 64
@@ -472,35 +472,7 @@ class Sm90DecodeAttentionCombine:
 # ----------------------------------------------------------------------------------------------
 # host side
 
-_COMPILED: dict[tuple, Callable] = {}
 _WORKSPACE: dict[tuple, tuple] = {}
-
-
-def _cute(t):
-    from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t, assumed_align=16 if t.data_ptr() % 16 == 0 else t.element_size()).mark_layout_dynamic(
-        leading_dim=t.dim() - 1)
-
-
-def compile_op(op, tensors: list, stream=None) -> Callable:
-    """Compile ``op`` for these tensors' dtypes and ranks (shapes stay dynamic), cached in-process.
-
-    Works without a GPU: with ``CUTE_DSL_ARCH=sm_90a`` and CPU tensors it builds the sm_90a cubin.
-    """
-    key = (type(op).__name__, op.key(), tuple((t.dtype, t.dim()) for t in tensors))
-    fn = _COMPILED.get(key)
-    if fn is None:
-        import cuda.bindings.driver as cuda
-        fn = cute.compile(op, *[_cute(t) for t in tensors], stream if stream is not None else cuda.CUstream(0))
-        _COMPILED[key] = fn
-    return fn
-
-
-def _launch(op, tensors: list) -> None:
-    import cuda.bindings.driver as cuda
-    import torch
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    compile_op(op, tensors, stream)(*[_cute(t) for t in tensors], stream)
 
 
 def pick_splits(batch: int, heads: int, entries: int, sms: int = 132) -> int:
@@ -511,11 +483,6 @@ def pick_splits(batch: int, heads: int, entries: int, sms: int = 132) -> int:
     splits = max(1, min(n_chunks, sms // ctas))
     cps = -(-n_chunks // splits)
     return -(-n_chunks // cps)
-
-
-def _expect(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, scale: float, *,

@@ -19,18 +19,17 @@ layer can pick so that no compile happens during capture.
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 
 from .sm90_moe_gemm import Sm90Nvfp4GroupedGemm
 from .sm90_moe_routing import Sm90MoeRouting, max_tiles_for
 from .sm90_moe_wgmma import WGMMA_TILE_TOKENS, Sm90Nvfp4WgmmaGemm
+from .cute_host import expect as _expect, launch as _launch
 from .swizzle import swizzled_nbytes
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)
 WGMMA_MIN_MEAN = 8.0  # mean routed pairs per expert from which the WGMMA (prefill) kernels run
-_COMPILED: dict[tuple, Callable] = {}
 
 
 def pick_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
@@ -54,44 +53,6 @@ def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
         if 1.25 * mean <= bn:
             return bn
     return WGMMA_TILE_TOKENS[-1]
-
-
-def _cute(t: torch.Tensor):
-    from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t, assumed_align=16 if t.data_ptr() % 16 == 0 else t.element_size()).mark_layout_dynamic(
-        leading_dim=t.dim() - 1)
-
-
-def _stream():
-    import cuda.bindings.driver as cuda
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-
-
-def compile_op(op, tensors: list[torch.Tensor], stream=None) -> Callable:
-    """Compile ``op`` for these tensors' dtypes and ranks (shapes stay dynamic), cached in-process.
-
-    Works without a GPU: with ``CUTE_DSL_ARCH=sm_90a`` set and CPU tensors it builds the sm_90a
-    cubin and returns the callable (which then needs CUDA tensors to run).
-    """
-    key = (type(op).__name__, op.key(), tuple((t.dtype, t.dim()) for t in tensors))
-    fn = _COMPILED.get(key)
-    if fn is None:
-        import cutlass.cute as cute
-        import cuda.bindings.driver as cuda
-        fn = cute.compile(op, *[_cute(t) for t in tensors], stream if stream is not None else cuda.CUstream(0))
-        _COMPILED[key] = fn
-    return fn
-
-
-def _launch(op, tensors: list[torch.Tensor]) -> None:
-    """Compile once (see :func:`compile_op`), then launch on the current stream."""
-    stream = _stream()
-    compile_op(op, tensors, stream)(*[_cute(t) for t in tensors], stream)
-
-
-def _expect(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 class Sm90NvFp4MoE:

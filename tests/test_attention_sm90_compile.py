@@ -107,8 +107,8 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not insta
 @pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
 @pytest.mark.parametrize("mode,pv_heads", [("indexed", 32), ("dense", 32), ("window", 32), ("indexed", 16)])
 def test_decode_attention_compiles_sm90a(mode, pv_heads):
-    from nvfp4_megamoe.kernels.sm90_decode_attention import (Sm90DecodeAttention, Sm90DecodeAttentionCombine,
-                                                              compile_op)
+    from nvfp4_megamoe.kernels.cute_host import compile_op
+    from nvfp4_megamoe.kernels.sm90_decode_attention import Sm90DecodeAttention, Sm90DecodeAttentionCombine
     b, h, w, n, k, s = 2, 128, 128, 40, 16, 3
     bf = dict(dtype=torch.bfloat16)
     args = [torch.zeros(b, h, 512, **bf), torch.zeros(b, w, 512, **bf), torch.zeros(b, dtype=torch.int32),

@@ -16,7 +16,8 @@ import torch  # noqa: E402
 
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE, compile_op  # noqa: E402
+from nvfp4_megamoe.kernels.cute_host import compile_op  # noqa: E402
+from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4GroupedGemm  # noqa: E402
 from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes  # noqa: E402
 
