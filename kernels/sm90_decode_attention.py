@@ -42,7 +42,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from . import sm90_attention_ptx as ptx
+from . import sm90_ptx as ptx
 from .cute_host import expect as _expect, launch as _launch
 
 HEAD_DIM = 512

@@ -2,7 +2,7 @@
 
 Operand roles. The packed NVFP4 weights are the MMA **A** operand (M = weight rows): each thread
 loads its rows' E2M1 bytes straight from global memory (16 B per row per 128-K tile), decodes them
-to BF16 in registers, multiplied by the row's E4M3 block scale (exact, see ``sm90_moe_ptx``), and
+to BF16 in registers, multiplied by the row's E4M3 block scale (exact, see ``sm90_ptx``), and
 feeds ``mma.sync.m16n8k16`` (a warp-level tensor-core MMA; its A fragment holds rows r and r+8 per
 thread, like a WGMMA m64 fragment). Tokens are the **B** operand (N = 8 tokens per MMA), so one
 token already fills an MMA; the global scale ``alpha`` rides the epilogue in fp32.
@@ -41,7 +41,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from . import sm90_moe_ptx as ptx
+from . import sm90_ptx as ptx
 from .swizzle import swizzled_nbytes
 
 K_TILE = 128  # logical K per tile: 16 bytes of one weight row per lane, 4 lanes per row

@@ -29,7 +29,7 @@ import cutlass.cute as cute
 import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import Float32, Int32, Int64, const_expr
 
-from . import sm90_moe_ptx as ptx
+from . import sm90_ptx as ptx
 from .sm90_moe_gemm import K_TILE, Sm90Nvfp4GroupedGemm
 
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)

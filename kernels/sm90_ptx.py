@@ -1,11 +1,18 @@
-"""Inline-PTX building blocks of the SM90 NVFP4 MoE kernels (what CuTeDSL has no op for).
+"""Inline-PTX building blocks of the SM90 kernels (what CuTeDSL 4.8 has no plain op for).
+
+MoE (``sm90_moe_gemm``, ``sm90_moe_wgmma``):
 
 * 16-byte / 2-byte global loads on raw addresses (read-only path, weights streamed once);
-* ``mma.sync.m16n8k16`` BF16 x BF16 -> FP32 on register fragments;
+* ``mma.sync.m16n8k16`` BF16 x BF16 -> FP32 on register fragments, and register-sourced ``wgmma``;
 * E2M1 x E4M3 -> BF16 decode (see :func:`decode_e2m1x8`), exact;
 * ``red.global.add.f32`` for the token scatter-reduce.
 
-Every helper is a pure function of 32-bit registers (``Int32``) or ``Float32`` values.
+Decode attention (``sm90_decode_attention``): ``cp.async.cg`` 16-byte gathers with zero fill,
+``ldmatrix`` (plain and ``.trans``), shared/global scalar and vector I/O, ``ex2.approx``.
+
+Shared memory is addressed by 32-bit ``.shared`` addresses, global memory by 64-bit generic
+addresses. Every helper is a pure function of 32-bit registers (``Int32``) or ``Float32`` values
+unless it stores or copies.
 """
 
 from __future__ import annotations
@@ -221,3 +228,92 @@ SW128_DESC_HI = (1 << 62) | ((1024 >> 4) << 32) | (1 << 16)  # 128B swizzle, SBO
 def smem_desc_sw128(addr: Int32) -> Int64:
     """WGMMA descriptor of a K-major, 128-byte-swizzled tile at shared address ``addr`` (8-row groups 1024 B apart)."""
     return (Int64(addr) >> 4) & Int64(0x3FFF) | Int64(SW128_DESC_HI)
+
+
+# --- decode attention (``sm90_decode_attention``): cp.async gathers, ldmatrix, shared/global I/O ---
+
+def _i32(v, loc, ip):
+    return Int32(v).ir_value(loc=loc, ip=ip)
+
+
+def _f32(v, loc, ip):
+    return Float32(v).ir_value(loc=loc, ip=ip)
+
+
+def cp_async_16(smem: Int32, gaddr: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
+    """``cp.async.cg.shared.global`` of 16 bytes; bytes past ``src_bytes`` (0 or 16) are zero-filled."""
+    llvm.inline_asm(
+        None, [_i32(smem, loc, ip), Int64(gaddr).ir_value(loc=loc, ip=ip), _i32(src_bytes, loc, ip)],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", has_side_effects=True, loc=loc, ip=ip)
+
+
+def ldmatrix_x4(smem: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """``ldmatrix.sync.aligned.m8n8.x4.shared.b16``: lanes 8i..8i+7 give the row addresses of matrix i."""
+    res = llvm.inline_asm(
+        _struct(4), [_i32(smem, loc, ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r", has_side_effects=True, loc=loc, ip=ip)
+    return _unpack(res, 4, T.i32(), Int32, loc, ip)
+
+
+def ldmatrix_x4_trans(smem: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """``ldmatrix ... .x4.trans``: as :func:`ldmatrix_x4`, each 8x8 matrix transposed."""
+    res = llvm.inline_asm(
+        _struct(4), [_i32(smem, loc, ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r", has_side_effects=True, loc=loc, ip=ip)
+    return _unpack(res, 4, T.i32(), Int32, loc, ip)
+
+
+def ld_shared_f32x2(smem: Int32, *, loc=None, ip=None) -> tuple[Float32, Float32]:
+    res = llvm.inline_asm(
+        _struct(2, "f32"), [_i32(smem, loc, ip)],
+        "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r", has_side_effects=True, loc=loc, ip=ip)
+    return _unpack(res, 2, T.f32(), Float32, loc, ip)
+
+
+def ld_shared_f32(smem: Int32, *, loc=None, ip=None) -> Float32:
+    return Float32(llvm.inline_asm(
+        T.f32(), [_i32(smem, loc, ip)], "ld.shared.f32 $0, [$1];", "=f,r", has_side_effects=True, loc=loc, ip=ip))
+
+
+def st_shared_f32(smem: Int32, v: Float32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [_i32(smem, loc, ip), _f32(v, loc, ip)], "st.shared.f32 [$0], $1;", "r,f",
+                    has_side_effects=True, loc=loc, ip=ip)
+
+
+def st_global_b32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), _i32(v, loc, ip)], "st.global.b32 [$0], $1;",
+                    "l,r", has_side_effects=True, loc=loc, ip=ip)
+
+
+def st_global_v2_f32(addr: Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), _f32(a, loc, ip), _f32(b, loc, ip)],
+                    "st.global.v2.f32 [$0], {$1, $2};", "l,f,f", has_side_effects=True, loc=loc, ip=ip)
+
+
+def st_global_v2_b32(addr: Int64, a: Int32, b: Int32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), _i32(a, loc, ip), _i32(b, loc, ip)],
+                    "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", has_side_effects=True, loc=loc, ip=ip)
+
+
+def ld_global_v4_f32(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float32, Float32, Float32]:
+    """16 bytes of float32 from a 16-aligned global address (L2-resident partials: ``.cg``). Pure: only
+    for data no thread of the same launch writes."""
+    res = llvm.inline_asm(
+        _struct(4, "f32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l", has_side_effects=False, loc=loc, ip=ip)
+    return _unpack(res, 4, T.f32(), Float32, loc, ip)
+
+
+def ld_global_v2_f32(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float32]:
+    res = llvm.inline_asm(
+        _struct(2, "f32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.cg.v2.f32 {$0, $1}, [$2];", "=f,=f,l", has_side_effects=False, loc=loc, ip=ip)
+    return _unpack(res, 2, T.f32(), Float32, loc, ip)
+
+
+def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
+    """``ex2.approx.ftz.f32`` (2**-inf = 0)."""
+    return Float32(llvm.inline_asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
+                                   has_side_effects=False, loc=loc, ip=ip))
