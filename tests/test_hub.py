@@ -224,3 +224,37 @@ def test_cli_reads_hf_endpoint_from_the_environment(hub, hub_env, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "shard" in proc.stdout and "dry run" in proc.stdout
     assert any(m == "GET" and p.startswith("/api/models/org/tiny") for m, p, _ in hub.log)
+
+
+def test_unit_spanning_two_shards_keeps_both_until_done(hub, hub_env, tmp_path, ckpt, local_out, monkeypatch):
+    """Move one expert of layer 1 into the last shard: the layer's expert unit reads two files, so the
+    last file is fetched early and must stay staged until the MTP units (its other readers) finish."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "repo"
+    shutil.copytree(ckpt, folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    moved = [n for n in index["weight_map"] if n.startswith("layers.1.ffn.experts.3.")]
+    src_file, dst_file = index["weight_map"][moved[0]], sorted(set(index["weight_map"].values()))[-1]
+    a, b = load_file(str(folder / src_file)), load_file(str(folder / dst_file))
+    for n in moved:
+        b[n] = a.pop(n)
+        index["weight_map"][n] = dst_file
+    save_file(a, str(folder / src_file), metadata={"format": "pt"})
+    save_file(b, str(folder / dst_file), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    hub.add("org/spanning", folder)
+
+    released = []
+    release = HubSource.release
+
+    def spy_release(self, file):
+        released.append(file)
+        release(self, file)
+
+    monkeypatch.setattr(HubSource, "release", spy_release)
+    out = tmp_path / "out"
+    convert_checkpoint("org/spanning", out, shard_size=SHARD, progress=False, keep_source=False, workers=3)
+    assert _shards(out) == _shards(local_out)  # same tensors, so the same output
+    assert sorted(released) == sorted(set(index["weight_map"].values()))  # each released once, all released
+    assert released[-1] == dst_file  # kept while any unit still needed it
