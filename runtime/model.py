@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .backend import ReferenceBackend
 from .hopper import HopperBackend, hopper_available
 from .checkpoint import Checkpoint
+from .distributed import ExpertParallelBackend, resolve_world
 from .config import ModelConfig
 from .rope import inv_freq
 from .state import CompressorState, DecodeState, LayerState
@@ -36,6 +37,7 @@ class Model:
         self.backend = backend if backend is not None else ReferenceBackend()
         self.device = torch.device(device)
         self.checkpoint = checkpoint
+        self.world = None  # a distributed.World when load_model(..., world=...) split the experts
         self._freq_main = inv_freq(config.main_rope).to(self.device)
         self._freq_compress = inv_freq(config.compress_rope).to(self.device)
 
@@ -215,7 +217,8 @@ class Model:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", layers: list[int] | None = None,
-               experts: tuple[int, int] | None = None, verify_hashes: bool = False, backend=None) -> Model:
+               experts: tuple[int, int] | None = None, verify_hashes: bool = False, backend=None,
+               world=None) -> Model:
     """Load a converted (format 1) checkpoint for inference.
 
     ``layers``: load only these decoder layers (the forward then runs just those, in order).
@@ -223,17 +226,29 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", layers: lis
     the routed-MoE output is then this rank's partial sum). ``verify_hashes``: check every shard's
     sha256 against the manifest first. ``backend``: per-op backend (default: the Hopper kernels on
     an sm_90 GPU, compiled here before returning; the PyTorch references elsewhere).
+    ``world``: expert parallelism over torch.distributed (``"auto"``: the default process group when
+    initialised; or a :class:`~nvfp4_megamoe.runtime.distributed.World`): this rank loads its
+    contiguous expert range, the MoE combines across ranks (docs/distributed.md).
 
     Raises :class:`~nvfp4_megamoe.runtime.format.FormatError` for a folder that is not a
     converted checkpoint, or one written by a newer/unknown format version.
     """
     ckpt = Checkpoint(path, verify_hashes=verify_hashes)
     config = ModelConfig.from_file(ckpt.path)
+    world = resolve_world(world)
+    if world is not None:
+        if experts is not None:
+            raise ValueError("pass experts= or world=, not both (world= picks this rank's expert range)")
+        experts = world.expert_range(config.n_routed_experts)
     weights = WeightLoader(ckpt, config, device).model(layers, experts)
     warm = backend is None and hopper_available(device)
     if warm:
         backend = HopperBackend()
+    inner = backend
+    if world is not None:
+        backend = ExpertParallelBackend(backend if backend is not None else ReferenceBackend(), world)
     model = Model(config, weights, backend=backend, device=device, checkpoint=ckpt)
+    model.world = world
     if warm:
-        backend.warmup(model)
+        inner.warmup(model)
     return model
