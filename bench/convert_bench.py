@@ -113,6 +113,35 @@ def baseline_rss() -> int:
     return next(int(line.split()[1]) * 1024 for line in out.splitlines() if line.startswith("RssAnon:"))
 
 
+def breakdown(src: Path, dense: str = "nvfp4") -> dict:
+    """Time every unit kind in this process, one unit after another, outputs discarded; and the source sha256."""
+    import collections
+
+    from nvfp4_megamoe.convert.plan import Options, make_plan
+    from nvfp4_megamoe.convert.source import LocalSource
+    from nvfp4_megamoe.convert.writer import sha256_file
+
+    class Discard:
+        def write(self, *args) -> None: ...
+        def copy(self, *args) -> None: ...
+
+    source = LocalSource(src)
+    plan = make_plan(source, Options(dense=dense))
+    secs: collections.Counter = collections.Counter()
+    nbytes: collections.Counter = collections.Counter()
+    for unit in plan.units:
+        kind = getattr(unit, "fmt", "copy")
+        t0 = time.perf_counter()
+        unit.run(source, Discard(), lambda n: None)
+        secs[kind] += time.perf_counter() - t0
+        nbytes[kind] += sum(source.tensors[n].info.nbytes for n in unit.sources)
+    t0 = time.perf_counter()
+    for f in source.files:
+        sha256_file(source.file_path(f))
+    secs["sha256"], nbytes["sha256"] = time.perf_counter() - t0, sum(source.file_size(f) for f in source.files)
+    return {k: {"s": secs[k], "source_bytes": nbytes[k]} for k in secs}
+
+
 def ensure(workdir: Path, preset: str) -> Path:
     path = workdir / preset
     if not (path / "model.safetensors.index.json").exists():
@@ -132,9 +161,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="runs per measurement (the best is reported)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--breakdown", action="store_true", help="only: time each unit kind in one thread (no output)")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     src = ensure(args.workdir, args.preset)
+    if args.breakdown:
+        for kind, r in breakdown(src).items():
+            print(f"{kind:8s} {r['s']:7.1f} s  {r['source_bytes'] / 1e9:6.2f} GB of source  "
+                  f"{r['source_bytes'] / max(r['s'], 1e-9) / 1e6:9.0f} MB/s")
+        print(f"load average {os.getloadavg()[0]:.1f}")
+        return
     twice = ensure(args.workdir, args.twice) if args.twice else None
     size = folder_bytes(src)
     res: dict = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
