@@ -3,9 +3,10 @@
 from .backend import ReferenceBackend
 from .checkpoint import Checkpoint
 from .config import ModelConfig
+from .distributed import World
 from .format import FormatError
 from .hopper import HopperBackend
 from .model import Model, load_model
 from .state import DecodeState
 
-__all__ = ["load_model", "Model", "DecodeState", "ModelConfig", "Checkpoint", "ReferenceBackend", "HopperBackend", "FormatError"]
+__all__ = ["load_model", "Model", "DecodeState", "ModelConfig", "Checkpoint", "ReferenceBackend", "HopperBackend", "FormatError", "World"]

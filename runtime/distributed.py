@@ -96,17 +96,18 @@ def resolve_world(world) -> World | None:
     raise TypeError(f"world={world!r}: expected None, 'auto', 'all_reduce', 'all_to_all' or a World")
 
 
-def init_distributed(backend: str | None = None) -> tuple[World, torch.device]:
+def init_distributed(backend: str | None = None, combine: str = "all_reduce", **kwargs) -> tuple[World, torch.device]:
     """For scripts run by ``torchrun``: initialise the default group (NCCL when CUDA is available,
-    else gloo) if it is not yet, bind this process to GPU ``LOCAL_RANK``; returns (world, device)."""
+    else gloo; ``kwargs`` go to ``init_process_group``, e.g. ``timeout``) if it is not yet, bind this
+    process to GPU ``LOCAL_RANK``; returns (world, device)."""
     cuda = torch.cuda.is_available() and backend != "gloo"
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
-    return World.from_group(), device
+        dist.init_process_group(backend or ("nccl" if cuda else "gloo"), **kwargs)
+    return World.from_group(combine=combine), device
 
 
 class ExpertParallelBackend:
