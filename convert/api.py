@@ -33,7 +33,8 @@ from nvfp4_megamoe.runtime.format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE
 from .errors import ConvertError, OutputError, SourceError
 from .hub import HubSource, looks_like_repo_id
 from .plan import DEFAULT_SHARD_SIZE, Options, Plan, make_plan
-from .resume import JOURNAL_FILE, Journal, identity_differences, restore_unit, unit_results, write_atomic
+from .resume import (JOURNAL_FILE, Journal, identity_differences, restore_unit, source_identity, unit_results,
+                     write_atomic)
 from .source import LocalSource
 from .writer import ShardWriter, sha256_file
 
@@ -107,7 +108,8 @@ def prepare_output(out: Path, src: Source, plan: Plan, resume: bool) -> Prepared
     if (out / INDEX_FILE).exists():
         old = _manifest_of(out)
         same = (old is not None and old.get("options_sha256") == plan.options.digest()
-                and {k: v for k, v in old.get("source", {}).items() if k != "files"} == src.record())
+                and source_identity(old.get("source", {})) == source_identity(src.record())
+                and old.get("source", {}).get("files", {}).keys() == set(src.files))
         if resume and same:
             return Prepared(journal, {}, complete=old)
         what = "the same source and options" if same else "a different conversion (other source or options)"

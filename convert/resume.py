@@ -41,6 +41,12 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def source_identity(record: dict) -> dict:
+    """What the output bytes depend on: the source (path, or repo + resolved commit), without the files
+    (compared separately) or the endpoint (a mirror serves the same commit) or the branch name."""
+    return {k: v for k, v in record.items() if k not in ("endpoint", "ref", "files")}
+
+
 def layout_digest(plan: Plan) -> str:
     """Hash of the output layout: shard count and every tensor's name, dtype, shape, in order."""
     h = hashlib.sha256()
@@ -75,7 +81,8 @@ class Journal:
 
     @staticmethod
     def identity_for(source_record: dict, source_files: dict, plan: Plan) -> dict:
-        return {"journal_version": JOURNAL_VERSION, "converter_version": __version__, "source": source_record,
+        return {"journal_version": JOURNAL_VERSION, "converter_version": __version__,
+                "source": source_identity(source_record),
                 "source_files": source_files, "options": plan.options.as_dict(),
                 "options_sha256": plan.options.digest(), "layout_sha256": layout_digest(plan)}
 
