@@ -5,9 +5,10 @@ It implements what the installed ``huggingface_hub`` client uses to read a model
 
 * ``GET /api/models/{repo}[/revision/{rev}]`` -> ``id``, ``sha`` (the commit) and ``siblings`` with
   ``size``, ``blobId`` and, for ``*.safetensors`` (stored "in LFS"), ``lfs: {sha256, size, pointerSize}``;
-* ``HEAD``/``GET /{repo}/resolve/{rev}/{path}`` with ``X-Repo-Commit``, ``ETag`` (sha256 for LFS files,
-  a git-style sha1 otherwise), ``X-Linked-Etag``/``X-Linked-Size`` for LFS files, ``Content-Length``,
-  and ``Range: bytes=a-b`` (206 + ``Content-Range``);
+* ``HEAD``/``GET /{repo}/resolve/{rev}/{path}`` with ``X-Repo-Commit`` and ``ETag`` (a git-style sha1);
+  for LFS files, as the Hub does, a 302 to a CDN URL on another origin (``/cdn/{repo}/{sha256}/{path}``) carrying
+  ``X-Linked-Etag`` (the sha256) and ``X-Linked-Size``; file bytes (resolve of a regular file, or the
+  CDN URL) with ``Content-Length`` and ``Range: bytes=a-b`` (206 + ``Content-Range``);
 * errors as the Hub sends them: 404 + ``X-Error-Code: RepoNotFound | RevisionNotFound | EntryNotFound``,
   401 for a repo that needs a token the request did not carry.
 
@@ -79,10 +80,12 @@ class HubServer:
             def do_GET(self) -> None:
                 server._handle(self, head=False)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # Two origins, as on the Hub: the API/resolve endpoint, and a "CDN" that LFS resolves redirect to.
+        self.servers = [ThreadingHTTPServer(("127.0.0.1", 0), Handler) for _ in range(2)]
+        for srv in self.servers:
+            srv.daemon_threads = True
+        self.endpoint, self.cdn = (f"http://127.0.0.1:{srv.server_address[1]}" for srv in self.servers)
+        self.threads = [threading.Thread(target=srv.serve_forever, daemon=True) for srv in self.servers]
 
     def add(self, repo_id: str, folder: Path, *, commit: str | None = None, token: str | None = None) -> Repo:
         commit = commit or hashlib.sha1(f"{repo_id}:{folder}".encode()).hexdigest()
@@ -90,17 +93,20 @@ class HubServer:
         return repo
 
     def __enter__(self) -> "HubServer":
-        self.thread.start()
+        for t in self.threads:
+            t.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        for srv in self.servers:
+            srv.shutdown()
+            srv.server_close()
 
     def downloads(self, suffix: str = ".safetensors") -> list[tuple[str, str | None]]:
-        """(path, range) of every GET of a resolve URL for files ending with ``suffix``."""
+        """(path, range) of every GET of file bytes (CDN or resolve URL) for files ending with ``suffix``."""
         with self.lock:
-            return [(p, r) for m, p, r in self.log if m == "GET" and "/resolve/" in p and p.endswith(suffix)]
+            return [(p, r) for m, p, r in self.log if m == "GET" and p.startswith("/cdn/") and p.endswith(suffix)
+                    or m == "GET" and "/resolve/" in p and p.endswith(suffix) and not suffix.endswith(".safetensors")]
 
     # ------------------------------------------------------------------ request handling
 
@@ -146,6 +152,11 @@ class HubServer:
         m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
         if m:
             return self._resolve(h, m.group(1), m.group(2), m.group(3), head)
+        m = re.fullmatch(r"/cdn/([^/]+/[^/]+)/([0-9a-f]{64})/(.+)", path)
+        if m:
+            repo = self.repos.get(m.group(1))
+            if repo is not None and (repo.folder / m.group(3)).is_file():
+                return self._bytes(h, repo.folder / m.group(3), {"ETag": f'"{m.group(2)}"'}, head)
         self._error(h, 404, None, f"no route for {path}", head)
 
     def _model_info(self, h, repo_id: str, rev: str, head: bool) -> None:
@@ -173,13 +184,17 @@ class HubServer:
                         {"X-Repo-Commit": commit})
             return
         size = path.stat().st_size
-        lfs = name.endswith(".safetensors")
-        etag = repo.sha256(name) if lfs else repo.git_oid(name)
-        headers = {"X-Repo-Commit": commit, "ETag": f'"{etag}"', "Accept-Ranges": "bytes",
-                   "Content-Type": "application/octet-stream"}
-        if lfs:
-            headers["X-Linked-Etag"] = f'"{etag}"'
-            headers["X-Linked-Size"] = size
+        if name.endswith(".safetensors"):  # LFS: redirect to the CDN, metadata on the redirect
+            sha = repo.sha256(name)
+            self._send(h, 302, {"X-Repo-Commit": commit, "ETag": f'"{repo.git_oid(name)}"',
+                                "X-Linked-Etag": f'"{sha}"', "X-Linked-Size": size,
+                                "Location": f"{self.cdn}/cdn/{repo_id}/{sha}/{name}"}, b"", head)
+            return
+        self._bytes(h, path, {"X-Repo-Commit": commit, "ETag": f'"{repo.git_oid(name)}"'}, head)
+
+    def _bytes(self, h, path: Path, headers: dict, head: bool) -> None:
+        size = path.stat().st_size
+        headers = {**headers, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
         start, end, status = 0, size - 1, 200
         rng = h.headers.get("Range")
         if rng:
