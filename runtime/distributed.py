@@ -120,6 +120,8 @@ class ExpertParallelBackend:
         self.comm_calls = 0
 
     def __getattr__(self, name):  # only reached for attributes not set here
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def moe(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, swiglu_limit: float):
