@@ -109,7 +109,7 @@ def convert(source: str, out: Path, dense: str, shard_size: int, dry_run: bool, 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--preset", default="tiny", show_default=True, help="Model size preset (tiny, small, ...).")
-@click.option("--variant", type=click.Choice(["flash", "pro", "base", "modelopt"]), default="flash", show_default=True)
+@click.option("--variant", type=click.Choice(["flash", "pro", "base", "modelopt", "ct"]), default="flash", show_default=True)
 @click.option("--seed", default=0, show_default=True)
 def synth(out: Path, preset: str, variant: str, seed: int) -> None:
     """Write a synthetic DeepSeek-V4 checkpoint in the official on-disk format (no network)."""
@@ -125,7 +125,7 @@ def synth(out: Path, preset: str, variant: str, seed: int) -> None:
 @main.command()
 @click.option("--workdir", type=click.Path(path_type=Path), default=None,
               help="Where to put the source and output (default: a new temporary folder).")
-@click.option("--variant", type=click.Choice(["flash", "pro", "base", "modelopt"]), default="flash", show_default=True)
+@click.option("--variant", type=click.Choice(["flash", "pro", "base", "modelopt", "ct"]), default="flash", show_default=True)
 def demo(workdir: Path | None, variant: str) -> None:
     """Make a tiny synthetic checkpoint, convert it, verify it, run it, and show what happened."""
     import torch

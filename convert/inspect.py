@@ -18,6 +18,8 @@ VARIANTS = {
     frozenset({"fp8"}): "DeepSeek-V4 -Base (FP8 experts, F32 scales)",
     frozenset({"nvfp4", "mxfp4"}): "ModelOpt NVFP4 export (NVFP4 experts, MXFP4 MTP experts)",
     frozenset({"nvfp4"}): "ModelOpt NVFP4 export (NVFP4 experts)",
+    frozenset({"ct_nvfp4", "mxfp4"}): "compressed-tensors NVFP4 export (NVFP4 experts, MXFP4 MTP experts)",
+    frozenset({"ct_nvfp4"}): "compressed-tensors NVFP4 export (NVFP4 experts)",
 }
 
 

@@ -108,6 +108,8 @@ def _expected_shapes(fmt: str, rows: int, cols: int) -> dict[str, tuple[tuple[in
         "fp8": {"weight": ((rows, cols),), "scale": (blocks,)},
         "nvfp4": {"weight": ((rows, cols // 2),), "weight_scale": ((rows, cols // 16),),
                   "weight_scale_2": ((), (1,)), "input_scale": ((), (1,))},
+        "ct_nvfp4": {"weight_packed": ((rows, cols // 2),), "weight_scale": ((rows, cols // 16),),
+                     "weight_global_scale": ((1,), ()), "input_global_scale": ((1,), ())},
     }[fmt]
 
 

@@ -9,8 +9,9 @@ puts its tensor into a *unit* (a group of tensors converted together) under a *r
 * ``passthrough`` - copied byte for byte
 
 Supported sources: official V4-Flash/V4-Pro (MXFP4 experts, FP8 + E8M0 scales), -Base (FP8
-experts, F32 scales) and NVIDIA ModelOpt NVFP4 exports (NVFP4 backbone experts, MXFP4 MTP
-experts). A new variant is new rows here, not new branches elsewhere.
+experts, F32 scales), NVIDIA ModelOpt NVFP4 exports (NVFP4 backbone experts, MXFP4 MTP
+experts) and compressed-tensors NVFP4 exports (llm-compressor; ``weight_packed`` /
+``weight_global_scale`` naming, MXFP4 MTP experts). A new variant is new rows here, not new branches elsewhere.
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ RULES: tuple[Rule, ...] = (
     _rule("routed.nvfp4.weight_scale", _ROUTED.format("weight_scale"), FP8, "routed", "nvfp4", "weight_scale", weight=("U8",)),
     _rule("routed.nvfp4.weight_scale_2", _ROUTED.format("weight_scale_2"), ("F32",), "routed", "nvfp4", "weight_scale_2", weight=("U8",)),
     _rule("routed.nvfp4.input_scale", _ROUTED.format("input_scale"), ("F32",), "routed", "nvfp4", "input_scale", weight=("U8",)),
+    # Routed experts, compressed-tensors NVFP4 (llm-compressor ``nvfp4-pack-quantized``): U8 weight_packed
+    # [out, in/2] + E4M3 weight_scale [out, in/16] + F32 weight_global_scale [1] (a divisor: 1 / ModelOpt's
+    # weight_scale_2) + input_global_scale [1] (F32; BF16 seen in some releases).
+    _rule("routed.ct_nvfp4.weight_packed", _ROUTED.format("weight_packed"), ("U8",), "routed", "ct_nvfp4",
+          "weight_packed", weight_scale=FP8, weight_global_scale=("F32",)),
+    _rule("routed.ct_nvfp4.weight_scale", _ROUTED.format("weight_scale"), FP8, "routed", "ct_nvfp4", "weight_scale",
+          weight_packed=("U8",)),
+    _rule("routed.ct_nvfp4.weight_global_scale", _ROUTED.format("weight_global_scale"), ("F32",), "routed", "ct_nvfp4",
+          "weight_global_scale", weight_packed=("U8",)),
+    _rule("routed.ct_nvfp4.input_global_scale", _ROUTED.format("input_global_scale"), ("F32", "BF16"), "routed",
+          "ct_nvfp4", "input_global_scale", weight_packed=("U8",)),
     # Dense FP8 linears and the shared expert: F8_E4M3 + E8M0 (official) or F32 (-Base) block scales.
     _rule("dense.fp8.weight", _DENSE.format("weight"), FP8, "dense", "fp8", "weight", scale=("F32",) + E8M0),
     _rule("dense.fp8.scale", _DENSE.format("scale"), ("F32",) + E8M0, "dense", "fp8", "scale", weight=FP8),

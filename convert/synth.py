@@ -9,7 +9,7 @@ Public API
 ----------
 ``PRESETS``                 preset name -> config.json overrides (dims).
 ``PRO_OVERRIDES``           preset name -> extra overrides applied for ``variant="pro"``.
-``VARIANTS``                ``("flash", "pro", "base", "modelopt")``.
+``VARIANTS``                ``("flash", "pro", "base", "modelopt", "ct")``.
 ``synthetic_config(preset, variant, **overrides)`` -> the config.json dict.
 ``write_synthetic(out, preset, variant, seed, *, out_of_range_blocks=0, **overrides)`` -> Path.
 
@@ -30,6 +30,15 @@ Variants
               everything else as flash.  Config gains ``quant_algo: MIXED_PRECISION``,
               ``moe_quant_algo: NVFP4``, ``group_size: 16``, ``ignore``, ``quantized_layers``,
               ``config_groups``, ``producer``; an ``hf_quant_config.json`` is written too.
+``ct``        compressed-tensors NVFP4 (llm-compressor ``nvfp4-pack-quantized`` export):
+              backbone routed experts become ``weight_packed`` U8 [out, in/2] (low nibble =
+              even element) + ``weight_scale`` F8_E4M3 [out, in/16] + ``weight_global_scale``
+              F32 [1] (a divisor: ``gs = 448*6/amax``, x = e2m1 * e4m3 / gs) +
+              ``input_global_scale`` F32 [1]; w1 and w3 get different global scales, none
+              a power of two; MTP experts stay MXFP4; everything else as flash. Config's
+              ``quantization_config`` becomes compressed-tensors style (``quant_method:
+              compressed-tensors``, ``format: nvfp4-pack-quantized``, ``config_groups``,
+              ``ignore``).
 
 Values
 ------
@@ -41,7 +50,7 @@ per-block magnitude spread of 2^U(-1, 1); FP8 weights are quantised as DeepSeek 
 by round-to-nearest-even that keeps the sign (so -0 = 0x8 nibbles occur).
 ``out_of_range_blocks=n`` lowers the scale of n non-zero 32-blocks of expert 0's w3 to
 20..23 exponents below k_max (over that expert's w1 and w3 blocks) to exercise the
-MXFP4 -> NVFP4 fallback: in ``layers.0`` for flash/pro, in ``mtp.0`` for modelopt (the only
+MXFP4 -> NVFP4 fallback: in ``layers.0`` for flash/pro, in ``mtp.0`` for modelopt/ct (the only
 MXFP4 experts it has); ``base`` has no MXFP4 experts and refuses.
 Norm weights ~1, hc parameters small, ``attn_sink`` ~0, compressor ``ape`` small, gate bias
 small, ``tid2eid`` rows are distinct experts.
@@ -93,7 +102,7 @@ __all__ = [
     "compress_pattern",
 ]
 
-VARIANTS: tuple[str, ...] = ("flash", "pro", "base", "modelopt")
+VARIANTS: tuple[str, ...] = ("flash", "pro", "base", "modelopt", "ct")
 
 # Official V4-Flash config.json (the keys the release ships); presets override dims.
 _OFFICIAL_CONFIG: dict[str, Any] = {
@@ -254,6 +263,7 @@ PRO_OVERRIDES: dict[str, dict[str, Any]] = {
 _DEFAULT_PRO = {"routed_scaling_factor": 2.5}
 
 _MODELOPT_IGNORE = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]
+_CT_IGNORE = ["head", r"re:.*\.attn\..*", r"re:.*\.ffn\.shared_experts\..*", r"re:^mtp\..*"]
 
 _SPECIAL_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"]
 
@@ -325,6 +335,27 @@ def synthetic_config(preset: str, variant: str = "flash", **overrides: Any) -> d
                 "producer": {"name": "modelopt", "version": "synthetic"},
             }
         )
+    if variant == "ct":
+        fp4 = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16}
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "nvfp4-pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": [r"re:^layers\.\d+\.ffn\.experts\.\d+\.w[123]$"],
+                    "weights": {**fp4, "dynamic": False, "observer": "minmax", "scale_dtype": "float8_e4m3fn"},
+                    "input_activations": {**fp4, "dynamic": "local", "observer": "minmax"},
+                    "output_activations": None,
+                    "format": "nvfp4-pack-quantized",
+                }
+            },
+            "ignore": list(_CT_IGNORE),
+            "kv_cache_scheme": None,
+            "sparsity_config": {},
+            "transform_config": {},
+            "version": "synthetic",
+        }
     _validate(cfg)
     return cfg
 
@@ -481,6 +512,24 @@ def _nvfp4(g: torch.Generator, out: int, inp: int, gain: float) -> dict[str, tor
     }
 
 
+def _ct_nvfp4(g: torch.Generator, out: int, inp: int, gain: float) -> dict[str, torch.Tensor]:
+    """compressed-tensors NVFP4 (llm-compressor): weight_packed U8 [out, in/2], weight_scale E4M3
+    [out, in/16], weight_global_scale F32 [1] = 448*6/amax (a divisor), input_global_scale F32 [1].
+    Block scale e4m3(block_amax/6 * gs), codes rne(x / (e4m3/gs)), as compressed-tensors does."""
+    w = _randn(g, out, inp) * _spread(g, out, inp, 1, 16) * (gain / math.sqrt(inp))
+    gs = (torch.tensor(448.0 * 6.0) / w.abs().amax()).float()
+    blocks = w.view(out, inp // 16, 16)
+    sb = (blocks.abs().amax(-1) / 6.0 * gs).clamp(2.0**-9, 448.0).to(torch.float8_e4m3fn)
+    codes = _e2m1_encode(blocks / (sb.float() / gs)[..., None]).view(out, inp)
+    act_amax = 3.0 + 5.0 * torch.rand((), generator=g)
+    return {
+        "weight_packed": _pack_nibbles(codes),
+        "weight_scale": sb,
+        "weight_global_scale": gs.reshape(1).clone(),
+        "input_global_scale": (448.0 * 6.0 / act_amax).float().reshape(1),
+    }
+
+
 def _norm(g: torch.Generator, n: int) -> torch.Tensor:
     return (1.0 + 0.1 * _randn(g, n)).to(torch.bfloat16)
 
@@ -577,6 +626,10 @@ class _Builder:
                     # w1 and w3 on deliberately different magnitudes -> different weight_scale_2
                     gain = {"w1": 0.85, "w3": 1.2, "w2": 1.0}[w]
                     for k, v in _nvfp4(g, o, i, gain).items():
+                        t[f"{name}.{k}"] = v
+                elif expert_format == "ct_nvfp4":
+                    gain = {"w1": 0.85, "w3": 1.2, "w2": 1.0}[w]
+                    for k, v in _ct_nvfp4(g, o, i, gain).items():
                         t[f"{name}.{k}"] = v
                 else:  # pragma: no cover
                     raise AssertionError(expert_format)
@@ -711,7 +764,7 @@ def _write_tensors(out: Path, cfg: dict[str, Any], variant: str, seed: int, out_
     b = _Builder(cfg, variant, seed)
     L = cfg["num_hidden_layers"]
     n_shards = L + 3
-    expert_format = {"flash": "mxfp4", "pro": "mxfp4", "base": "fp8", "modelopt": "nvfp4"}[variant]
+    expert_format = {"flash": "mxfp4", "pro": "mxfp4", "base": "fp8", "modelopt": "nvfp4", "ct": "ct_nvfp4"}[variant]
 
     def shard_name(i: int) -> str:
         width = max(5, len(str(n_shards)))
@@ -722,7 +775,7 @@ def _write_tensors(out: Path, cfg: dict[str, Any], variant: str, seed: int, out_
         for i in range(L):
             def layer(i: int = i) -> dict[str, torch.Tensor]:
                 t = b.block(f"layers.{i}.", cfg["compress_ratios"][i], i < cfg["num_hash_layers"], expert_format)
-                if i == 0 and out_of_range_blocks and variant != "modelopt":
+                if i == 0 and out_of_range_blocks and variant not in ("modelopt", "ct"):
                     b.out_of_range(t, "layers.0.", out_of_range_blocks)
                 return t
             yield layer
@@ -730,7 +783,7 @@ def _write_tensors(out: Path, cfg: dict[str, Any], variant: str, seed: int, out_
 
         def mtp() -> dict[str, torch.Tensor]:
             t = b.mtp()
-            if out_of_range_blocks and variant == "modelopt":
+            if out_of_range_blocks and variant in ("modelopt", "ct"):
                 b.out_of_range(t, "mtp.0.", out_of_range_blocks)
             return t
         yield mtp
@@ -774,7 +827,7 @@ def write_synthetic(
     if out_of_range_blocks < 0:
         raise ValueError("out_of_range_blocks must be >= 0")
     if out_of_range_blocks and variant == "base":
-        raise ValueError("the base variant has no MXFP4 experts; out_of_range_blocks needs flash/pro/modelopt")
+        raise ValueError("the base variant has no MXFP4 experts; out_of_range_blocks needs flash/pro/modelopt/ct")
     cfg = synthetic_config(preset, variant, **overrides)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -8,6 +8,10 @@ Composed from the primitives in ``nvfp4_megamoe.kernels``:
   scales moved onto one power-of-two alpha) and back to (codes, per-16 effective scales).
 * ``nvfp4_forward``: ModelOpt NVFP4: codes and scale bytes kept, each half keeps its own global
   scale (format 1 stores a (gate, up) alpha pair per expert), so the path is exact.
+* ``ct_nvfp4_forward``: compressed-tensors NVFP4 (``weight_packed``, ``weight_scale``,
+  ``weight_global_scale``): codes and scale bytes kept, each half's alpha = float32(1 / global
+  scale), exact only when the global scale is a power of two (``ct_alpha_is_exact``);
+  ``dequantize_ct_nvfp4`` is compressed-tensors' own float32 reading, ``e2m1 * (e4m3 / gs)``.
 * ``fp8_forward`` / ``dequantize_fused``: FP8 (128x128 block scales) requantised to NVFP4 (lossy),
   and the dequantisation that verify compares with the FP8 source.
 
@@ -17,13 +21,16 @@ MXFP4 cast over w1 and w3 together, a dense fused linear) repeat the same value.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from nvfp4_megamoe.kernels.e2m1 import decode_e2m1, unpack_nibbles
 from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize
 from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up, interleave_gate_up
 from nvfp4_megamoe.kernels.mxfp4 import mxfp4_to_nvfp4
+from nvfp4_megamoe.kernels.scales import decode_e4m3
 from nvfp4_megamoe.kernels.nvfp4 import BLOCK, block_scales_for, dequantize_nvfp4, encode_nvfp4, global_scale_for
 from nvfp4_megamoe.kernels.swizzle import swizzle_block_scales, unswizzle_block_scales
 
@@ -70,6 +77,41 @@ def nvfp4_forward(weights: list[torch.Tensor], scales: list[torch.Tensor], alpha
             raise ValueError(f"weight_scale_2 must be finite and positive, got {a}")
     packed, swz = to_kernel_layout([w.view(torch.uint8) for w in weights], [s.view(torch.uint8) for s in scales])
     return KernelMatrix(packed, swz, tuple(float(a) for a in alphas))
+
+
+def ct_alpha(global_scale: float) -> float:
+    """compressed-tensors' divisor ``weight_global_scale`` -> format 1's multiplier: 1 / gs rounded once to float32."""
+    return float(torch.reciprocal(torch.tensor(global_scale, dtype=torch.float32)))
+
+
+def ct_alpha_is_exact(global_scale: float) -> bool:
+    """Is float32(1 / gs) exactly 1 / gs? Only for powers of two (within float32's normal range)."""
+    m, _ = math.frexp(global_scale)
+    return global_scale > 0 and m == 0.5 and ct_alpha(global_scale) * global_scale == 1.0
+
+
+def ct_nvfp4_forward(weights: list[torch.Tensor], scales: list[torch.Tensor], global_scales: list[float]) -> KernelMatrix:
+    """compressed-tensors NVFP4 parts (U8 [r, K/2], E4M3 [r, K/16], own divisor gs) -> one fused matrix.
+
+    Codes and scale bytes are unchanged; each part's alpha is float32(1 / gs).
+    """
+    for g in global_scales:
+        if not (0 < g < float("inf")):
+            raise ValueError(f"weight_global_scale must be finite and positive, got {g}")
+    alphas = [ct_alpha(g) for g in global_scales]
+    for g, a in zip(global_scales, alphas):
+        if not (0 < a < float("inf")):
+            raise ValueError(f"1 / weight_global_scale = 1 / {g} is not a finite positive float32")
+    packed, swz = to_kernel_layout([w.view(torch.uint8) for w in weights], [s.view(torch.uint8) for s in scales])
+    return KernelMatrix(packed, swz, tuple(alphas))
+
+
+def dequantize_ct_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: float) -> torch.Tensor:
+    """compressed-tensors' reading in float32: ``e2m1 * (e4m3 / gs)`` (the scale divided first, as it does)."""
+    gs = torch.tensor(global_scale, dtype=torch.float32)
+    eff = decode_e4m3(scales.view(torch.uint8)) / gs
+    codes = decode_e2m1(unpack_nibbles(packed.view(torch.uint8)))
+    return (codes.reshape(*eff.shape, BLOCK) * eff.unsqueeze(-1)).flatten(-2)
 
 
 def fp8_forward(weights: list[torch.Tensor], scales: list[torch.Tensor],

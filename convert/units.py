@@ -20,12 +20,14 @@ from nvfp4_megamoe.runtime.format import alpha_shape, fused_expert_names
 
 from .safetensors_header import DTYPES
 from .stats import ErrorStats
-from .transforms import KernelMatrix, dequantize_fused, fp8_forward, mxfp4_forward, nvfp4_forward
+from .transforms import (KernelMatrix, ct_alpha, ct_alpha_is_exact, ct_nvfp4_forward, dequantize_ct_nvfp4, dequantize_fused,
+                         fp8_forward, mxfp4_forward, nvfp4_forward)
 
 # Transform chains as recorded in the manifest, per source format.
 CHAINS = {
     "mxfp4": ["mxfp4_to_nvfp4(shared alpha, codes kept)"],
     "nvfp4": ["codes and scales kept, per-half alpha = weight_scale_2"],
+    "ct_nvfp4": ["codes and scales kept, per-half alpha = float32(1 / weight_global_scale)"],
     "fp8": ["fp8_block_dequantize", "quantize_nvfp4(shared alpha)"],
 }
 LAYOUT = ["swizzle_128x4"]
@@ -33,7 +35,12 @@ INTERLEAVE = ["interleave_gate_up(8, gate first)"]
 STACK = ["stack_experts"]
 # Roles each source format needs per matrix.
 ROLES = {"mxfp4": ("weight", "scale"), "fp8": ("weight", "scale"),
-         "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale")}
+         "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
+         "ct_nvfp4": ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")}
+# Per source format: the role holding the packed codes, and the activation-scale role kept (stacked,
+# values unchanged) under an output of the same name (docs/format.md).
+WEIGHT_ROLE = {"ct_nvfp4": "weight_packed"}
+INPUT_ROLE = {"nvfp4": "input_scale", "ct_nvfp4": "input_global_scale"}
 
 
 @dataclass
@@ -122,8 +129,9 @@ class FusedMatrices:
         lead = (len(self.members),) if self.stacked else ()
         fused_rows = parts * self.rows
         self.sources = [n for item in self.members for part in item for n in part.values()]
-        weights = [p[r] for item in self.members for p in item for r in ("weight",)]
-        scales = [n for item in self.members for p in item for r, n in p.items() if r not in ("weight", "input_scale")]
+        wrole, irole = WEIGHT_ROLE.get(self.fmt, "weight"), INPUT_ROLE.get(self.fmt)
+        weights = [p[wrole] for item in self.members for p in item]
+        scales = [n for item in self.members for p in item for r, n in p.items() if r not in (wrole, irole)]
         lossy = self.fmt == "fp8"
         self.weight = OutputSpec(names["weight"], "U8", lead + (fused_rows, self.cols // 2), weights, chain, not lossy)
         self.scale = OutputSpec(names["weight_scale"], "U8", lead + (swizzled_nbytes(fused_rows, self.cols // BLOCK),),
@@ -133,13 +141,16 @@ class FusedMatrices:
         self.alpha = OutputSpec(names["alpha"], "F32", shape, scales, chain, not lossy)
         self.outputs = [self.weight, self.scale, self.alpha]
         self.input_scale = None
-        if self.fmt == "nvfp4":
-            inputs = [p["input_scale"] for item in self.members for p in item]
-            self.input_scale = OutputSpec(f"{self.prefix}.input_scale", "F32", lead + ((parts,) if parts > 1 else ()),
+        if irole is not None:
+            inputs = [p[irole] for item in self.members for p in item]
+            self.input_scale = OutputSpec(f"{self.prefix}.{irole}", "F32", lead + ((parts,) if parts > 1 else ()),
                                           inputs, ["stack_input_scales"])
+            self.input_role = irole
             self.outputs.append(self.input_scale)
         self.stats = ErrorStats()
         self.inexact = 0
+        self.measured = False  # an item's result was compared with its float source (not bit-exact)
+        self.inexact_alphas = self.unrecoverable_global_scales = 0  # compressed-tensors: per (expert, half)
 
     def items(self) -> int:
         return len(self.members)
@@ -158,6 +169,15 @@ class FusedMatrices:
             m = nvfp4_forward(w, s, a)
             ref = [dequantize_nvfp4(x.view(torch.uint8), y.view(torch.uint8), z) for x, y, z in zip(w, s, a)]
             return m, (ref if m.inexact_blocks else None)
+        if self.fmt == "ct_nvfp4":
+            w = [src.read(p["weight_packed"]) for p in item]
+            s = [src.read(p["weight_scale"]) for p in item]
+            gs = [_scalar(src.read(p["weight_global_scale"])) for p in item]
+            m = ct_nvfp4_forward(w, s, gs)
+            exact = all(ct_alpha_is_exact(g) for g in gs)
+            self.inexact_alphas += sum(not ct_alpha_is_exact(g) for g in gs)
+            self.unrecoverable_global_scales += sum(ct_alpha(a) != g for a, g in zip(m.alphas, gs))
+            return m, (None if exact else [dequantize_ct_nvfp4(x, y, g) for x, y, g in zip(w, s, gs)])
         return fp8_forward([src.read(p["weight"]) for p in item], [src.read(p["scale"]) for p in item],
                            shared_alpha=not self.stacked)
 
@@ -170,6 +190,7 @@ class FusedMatrices:
             m, ref = self.convert_item(src, item)
             self.inexact += m.inexact_blocks
             if ref is not None:
+                self.measured = True
                 for r, x in zip(ref, dequantize_fused(m, parts)):
                     self.stats.update(r, x)
             sink.write(self.weight.name, e * w_bytes, m.packed)
@@ -177,16 +198,19 @@ class FusedMatrices:
             alphas = torch.tensor(m.alphas[: self.alphas_per_item], dtype=torch.float32)
             sink.write(self.alpha.name, e * 4 * self.alphas_per_item, alphas)
             if self.input_scale is not None:
-                scales = torch.tensor([_scalar(src.read(p["input_scale"])) for p in item], dtype=torch.float32)
+                scales = torch.tensor([_scalar(src.read(p[self.input_role])) for p in item], dtype=torch.float32)
                 sink.write(self.input_scale.name, e * 4 * parts, scales)
             tick(m.packed.numel() + m.scales.numel())
         self._record()
 
     def _record(self) -> None:
-        lossless = self.fmt != "fp8" and self.inexact == 0
+        lossless = self.fmt != "fp8" and self.inexact == 0 and not self.measured
         for spec in (self.weight, self.scale, self.alpha):
             spec.lossless = lossless
             if not lossless:
                 spec.error = self.stats.result()
             if self.fmt != "fp8":
                 spec.notes["inexact_blocks"] = self.inexact
+            if self.fmt == "ct_nvfp4":
+                spec.notes["inexact_alphas"] = self.inexact_alphas
+                spec.notes["unrecoverable_global_scales"] = self.unrecoverable_global_scales

@@ -71,7 +71,7 @@ class TensorResult:
     ``kind``: ``passthrough`` (byte copy), ``lossless`` (bit-exact NVFP4), ``lossy`` (measured
     error within bounds), ``input_scale`` (ModelOpt activation scales), ``other``.
     ``checked``: ``round trip`` when compared with the source, ``structure`` otherwise.
-    ``source_format``: ``mxfp4``, ``nvfp4`` or ``fp8`` for converted matrices (round trip only).
+    ``source_format``: ``mxfp4``, ``nvfp4``, ``ct_nvfp4`` or ``fp8`` for converted matrices (round trip only).
     ``error`` (lossy ``.weight`` tensors): measured rel_fro / max_abs / cosine; ``bound`` the
     documented limits; ``manifest_error`` what the manifest recorded.
     """
@@ -260,7 +260,8 @@ class _Verifier:
         """(kind, name, bytes to read) in file order."""
         out = []
         groups = nvfp4_groups(self.reader.info)
-        grouped = {f"{g}.{r}" for g in groups for r in ("weight", "weight_scale", "alpha", "input_scale")}
+        roles = ("weight", "weight_scale", "alpha", "input_scale", "input_global_scale")
+        grouped = {f"{g}.{r}" for g in groups for r in roles}
         for g in groups:
             w = self.reader.info[g + ".weight"][1]
             trip = g + ".weight" in self.units
@@ -333,11 +334,12 @@ class _Verifier:
     def input_scale(self, name: str, e: int | None, item: list[dict[str, str]], found: dict[str, list[str]],
                     res: _JobResult) -> None:
         got = self.reader.read(name, e).reshape(-1).float()
-        want = torch.cat([self.src.read(p["input_scale"]).float().reshape(-1) for p in item])
+        role = "input_scale" if "input_scale" in item[0] else "input_global_scale"  # ModelOpt / compressed-tensors
+        want = torch.cat([self.src.read(p[role]).float().reshape(-1) for p in item])
         if got.shape != want.shape or not torch.equal(got.view(torch.int32), want.view(torch.int32)):
             where = f" [expert {e}]" if e is not None else ""
             found[name].append(f"values{where} {got.tolist()} differ from "
-                               f"{', '.join(p['input_scale'] for p in item)} = {want.tolist()}")
+                               f"{', '.join(p[role] for p in item)} = {want.tolist()}")
         else:
             res.updates[name]["checked"] = "round trip"
 

@@ -10,6 +10,10 @@ caller un-stacks by reading one expert's slice) and compares with the source ten
   (``max k - k > 17``) must hold scale ``2**-9`` and the codes re-rounded to that step; their
   error is bounded by half the smallest E2M1 step, ``2**-11 * alpha``.
 * **ModelOpt NVFP4**: codes, scale bytes and each half's alpha (its ``weight_scale_2``) identical.
+* **compressed-tensors NVFP4**: codes and scale bytes identical; each half's alpha is
+  float32(1 / ``weight_global_scale``) bit for bit. Where a global scale is not a power of two
+  that alpha is not exactly 1/gs: the item is measured against compressed-tensors' own float32
+  reading ``e2m1 * (e4m3 / gs)`` and held to :data:`BOUNDS` (a few float32 ulps).
 * **FP8 -> NVFP4** (lossy): alpha, block scales and codes are exactly what the documented recipe
   gives for the source values (so one flipped byte is found even where the error statistics
   would hardly move), and the error statistics stay within :data:`BOUNDS`.
@@ -33,7 +37,7 @@ from nvfp4_megamoe.kernels.nvfp4 import BLOCK, block_scales_for, dequantize_nvfp
 from nvfp4_megamoe.kernels.scales import encode_e4m3
 
 from .stats import ErrorStats
-from .transforms import from_kernel_layout
+from .transforms import ct_alpha, ct_alpha_is_exact, dequantize_ct_nvfp4, from_kernel_layout
 
 E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
 
@@ -61,6 +65,11 @@ BOUNDS: dict[str, Bound] = {
     "fp8": Bound(rel_fro=0.15, cosine=0.98),
     # Fallback blocks only: half the smallest E2M1 step (0.5) at the smallest scale 2**-9.
     "mxfp4": Bound(rel_fro=1e-3, cosine=0.999999, max_abs_over_alpha=2.0**-11),
+    # compressed-tensors with a non-power-of-two global scale: e2m1*e4m3 is exact in float32, so the
+    # two readings differ only by the rounding of 1/gs (vs of e4m3/gs) and of one product: <= 2**-22
+    # relative per element, i.e. max |error| <= 6*448 * 2**-22 * alpha. Measured on the synthetic
+    # ct checkpoints: rel_fro ~1e-8.
+    "ct_nvfp4": Bound(rel_fro=1e-6, cosine=0.99999, max_abs_over_alpha=6.0 * 448.0 * 2.0**-22),
 }
 MANIFEST_RTOL = 1e-3  # measured vs recorded rel_fro and max_abs
 MANIFEST_COS_ATOL = 1e-5
@@ -197,6 +206,40 @@ def check_nvfp4(item: Item, sources: list[dict[str, str]], read: SourceReader, a
                             f"{_count(bad)} {what}{item.where(name)} differ from {src_name} ({_first_diff(bad)})")
 
 
+def check_ct_nvfp4(item: Item, sources: list[dict[str, str]], read: SourceReader, acc: UnitCheck) -> None:
+    """compressed-tensors NVFP4: codes and scale bytes the source's; alpha = float32(1 / weight_global_scale).
+
+    When a global scale is not a power of two the item counts as lossy: its values are compared with
+    compressed-tensors' float32 reading (``e2m1 * (e4m3 / gs)``) and must stay within the bound.
+    """
+    parts = len(sources)
+    packed, scales = _parts(item, parts)
+    stats, worst, measured = ErrorStats(), 0.0, False
+    for j, name in enumerate(PART_NAMES[parts]):
+        p = sources[j]
+        gs = float(read(p["weight_global_scale"]).float().reshape(-1)[0])
+        want = ct_alpha(gs) if 0 < gs < math.inf else math.nan
+        if item.alphas[j] != want:
+            acc.problem(item.names["alpha"], f"alpha{item.where(name)} is {item.alphas[j]!r}, expected float32(1 / "
+                        f"{p['weight_global_scale']}) = 1 / {gs!r} = {want!r}")
+        src_w = read(p["weight_packed"]).view(torch.uint8)
+        src_s = read(p["weight_scale"]).view(torch.uint8)
+        for out, src, src_name, what in ((packed[j], src_w, p["weight_packed"], "packed bytes"),
+                                         (scales[j], src_s, p["weight_scale"], "scale bytes")):
+            bad = out != src
+            if bad.any():
+                acc.problem(item.names["weight" if what == "packed bytes" else "weight_scale"],
+                            f"{_count(bad)} {what}{item.where(name)} differ from {src_name} ({_first_diff(bad)})")
+        if not ct_alpha_is_exact(gs) and math.isfinite(want):
+            measured = True
+            ref = dequantize_ct_nvfp4(src_w, src_s, gs)
+            out = dequantize_nvfp4(packed[j], scales[j], item.alphas[j])
+            stats.update(ref, out)
+            worst = max(worst, float((out - ref).abs().max()) / want)
+    if measured:
+        _add_item(acc, stats, 0, worst)
+
+
 def check_fp8(item: Item, sources: list[dict[str, str]], read: SourceReader, acc: UnitCheck) -> None:
     """FP8 -> NVFP4 requantisation: alpha, scales and codes follow the recipe; error measured."""
     parts = len(sources)
@@ -231,7 +274,7 @@ def _add_item(acc: UnitCheck, stats: ErrorStats, inexact: int, worst_over_alpha:
 
 
 CHECKS: dict[str, Callable[[Item, list[dict[str, str]], SourceReader, UnitCheck], None]] = {
-    "mxfp4": check_mxfp4, "nvfp4": check_nvfp4, "fp8": check_fp8,
+    "mxfp4": check_mxfp4, "nvfp4": check_nvfp4, "fp8": check_fp8, "ct_nvfp4": check_ct_nvfp4,
 }
 
 

@@ -157,10 +157,11 @@ def check_against_config(config: dict, lay: Layout, fail: Fail) -> None:
             if w.shape != want_w:
                 problems.append((prefix + ".weight", shard, f"shape {list(w.shape)} contradicts config.json "
                                  f"(expected {list(want_w)})"))
-        inp = info.get(prefix + ".input_scale")
-        if inp is not None:
-            want_i = lead + ((2,) if prefix.endswith("w13") else ())
-            if inp[1].dtype != "F32" or inp[1].shape != want_i:
-                problems.append((prefix + ".input_scale", shard, f"is {inp[1].dtype} {list(inp[1].shape)}, "
-                                 f"expected F32 {list(want_i)}"))
+        for kind in ("input_scale", "input_global_scale"):  # ModelOpt / compressed-tensors activation scales
+            inp = info.get(f"{prefix}.{kind}")
+            if inp is not None:
+                want_i = lead + ((2,) if prefix.endswith("w13") else ())
+                if inp[1].dtype != "F32" or inp[1].shape != want_i:
+                    problems.append((f"{prefix}.{kind}", shard, f"is {inp[1].dtype} {list(inp[1].shape)}, "
+                                     f"expected F32 {list(want_i)}"))
     _listed(fail, problems)

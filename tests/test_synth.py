@@ -125,9 +125,12 @@ def test_transformers_config(ckpts, variant):
     assert raw["num_hash_layers"] >= 1 and raw["num_nextn_predict_layers"] == 1
     assert raw["index_n_heads"] >= 8
     qc = raw["quantization_config"]
-    assert qc["quant_method"] == "fp8" and qc["fmt"] == "e4m3" and qc["scale_fmt"] == "ue8m0"
-    assert qc["weight_block_size"] == [128, 128]
-    assert qc["expert_dtype"] == ("fp8" if variant == "base" else "fp4")
+    if variant == "ct":  # compressed-tensors style (tests/test_compressed_tensors.py checks the rest)
+        assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "nvfp4-pack-quantized"
+    else:
+        assert qc["quant_method"] == "fp8" and qc["fmt"] == "e4m3" and qc["scale_fmt"] == "ue8m0"
+        assert qc["weight_block_size"] == [128, 128]
+        assert qc["expert_dtype"] == ("fp8" if variant == "base" else "fp4")
     if variant == "modelopt":
         assert qc["quant_algo"] == "MIXED_PRECISION" and qc["moe_quant_algo"] == "NVFP4"
         assert qc["group_size"] == 16 and "mtp.*" in qc["ignore"]
@@ -200,6 +203,8 @@ def test_dtypes_and_shapes(ckpts, variant):
         else:
             assert t[p + "ffn.gate.bias"].dtype == torch.float32 and t[p + "ffn.gate.bias"].shape == (E,)
         fmt = "fp8" if base else ("nvfp4" if variant == "modelopt" and p != "mtp.0." else "mxfp4")
+        if variant == "ct" and p != "mtp.0.":
+            fmt = "ct_nvfp4"
         for e in range(E):
             for w, (o, i) in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
                 n = f"{p}ffn.experts.{e}.{w}."
@@ -208,6 +213,13 @@ def test_dtypes_and_shapes(ckpts, variant):
                 elif fmt == "mxfp4":
                     assert t[n + "weight"].dtype == torch.int8 and t[n + "weight"].shape == (o, i // 2)
                     assert t[n + "scale"].dtype == torch.float8_e8m0fnu and t[n + "scale"].shape == (o, i // 32)
+                elif fmt == "ct_nvfp4":
+                    assert t[n + "weight_packed"].dtype == torch.uint8 and t[n + "weight_packed"].shape == (o, i // 2)
+                    assert t[n + "weight_scale"].dtype == torch.float8_e4m3fn
+                    assert t[n + "weight_scale"].shape == (o, i // 16)
+                    for k in ("weight_global_scale", "input_global_scale"):
+                        assert t[n + k].dtype == torch.float32 and t[n + k].shape == (1,)
+                    assert n + "weight" not in t and n + "scale" not in t
                 else:
                     assert t[n + "weight"].dtype == torch.uint8 and t[n + "weight"].shape == (o, i // 2)
                     assert t[n + "weight_scale"].dtype == torch.float8_e4m3fn
