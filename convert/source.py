@@ -29,7 +29,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from .errors import SourceError
-from .safetensors_header import Header, TensorInfo, read_header, tensor_from_bytes
+from .safetensors_header import DTYPES, Header, TensorInfo, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -156,9 +156,20 @@ class FileReader:
         return data
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor, as its own dtype and shape, with its values checked."""
+        """One tensor, as its own dtype and shape, with its values checked.
+
+        Read straight into the tensor's memory (``preadv``): no intermediate bytes objects.
+        """
         t = self.tensors[name]
-        tensor = tensor_from_bytes(self.read_bytes(name), t.info)
+        buf = torch.empty(t.info.nbytes, dtype=torch.uint8)
+        view, done, fd = memoryview(buf.numpy()), 0, self._fd(t.file)
+        while done < t.info.nbytes:
+            n = os.preadv(fd, [view[done:]], t.info.start + done)
+            if n <= 0:
+                raise SourceError(f"{t.file}: short read of tensor {name!r} ({done} of {t.info.nbytes} bytes); "
+                                  "the file changed or is truncated. Copy or download it again.")
+            done += n
+        tensor = buf.view(DTYPES[t.info.dtype][0]).reshape(t.info.shape)
         check_values(name, t.file, t.info.dtype, tensor)
         return tensor
 

@@ -42,6 +42,25 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     return table.to(codes.device)[codes.long()]
 
 
+def _byte_table() -> torch.Tensor:
+    values = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), dtype=torch.float32)
+    return torch.stack((values.repeat(16), values.repeat_interleave(16)), dim=1)  # byte -> (low, high)
+
+
+_BYTE_TABLE = _byte_table()
+
+
+def decode_e2m1_packed(packed: torch.Tensor) -> torch.Tensor:
+    """Packed bytes [..., n] (uint8/int8) -> float32 values [..., 2n], same as decode(unpack(packed)).
+
+    One lookup per byte in a 256-entry table of (low, high) pairs: half the indices and no
+    unpacked code tensor.
+    """
+    flat = packed.reshape(-1).view(torch.uint8).int()
+    table = _BYTE_TABLE.to(packed.device)
+    return table.index_select(0, flat).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """float -> E2M1 codes, round to nearest with ties to the even code, saturating at +-6.
 
@@ -51,5 +70,5 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     mag = x.abs().float()
     code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for threshold, even in zip(_THRESHOLDS, _UPPER_IS_EVEN):
-        code += (mag >= threshold if even else mag > threshold).to(torch.uint8)
-    return code | (torch.signbit(x).to(torch.uint8) << 3)
+        code.add_(torch.ge(mag, threshold) if even else torch.gt(mag, threshold))
+    return code.bitwise_or_(torch.signbit(x).to(torch.uint8).bitwise_left_shift_(3))

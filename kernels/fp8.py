@@ -38,7 +38,13 @@ def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     """FP8 E4M3 weight [out, in] (float8_e4m3fn or its uint8 bytes) and block scales -> float32."""
     w = weight.view(torch.float8_e4m3fn) if weight.dtype == torch.uint8 else weight
     _check(w.shape, scale)
-    return w.float() * _expand(block_scale_values(scale), w.shape)
+    rows, cols = w.shape
+    values = block_scale_values(scale)
+    if rows % FP8_BLOCK or cols % FP8_BLOCK:
+        return w.float() * _expand(values, w.shape)
+    # Whole blocks: broadcast each scale over its 128x128 tile instead of materialising them all.
+    tiles = w.float().view(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    return tiles.mul_(values[:, None, :, None]).view(rows, cols)
 
 
 def fp8_block_quantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

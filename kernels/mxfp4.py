@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
+from .e2m1 import decode_e2m1, decode_e2m1_packed, encode_e2m1, pack_nibbles, unpack_nibbles
 from .scales import E8M0_NAN, decode_e8m0, e8m0_exponent, pow2_e4m3
 
 MX_BLOCK = 32
@@ -33,7 +33,7 @@ E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """packed int8/uint8 [..., K/2], E8M0 bytes [..., K/32] -> float32 [..., K]."""
-    values = decode_e2m1(unpack_nibbles(packed))
+    values = decode_e2m1_packed(packed)
     values = values.reshape(*values.shape[:-1], -1, MX_BLOCK) * decode_e8m0(scales).unsqueeze(-1)
     return values.flatten(-2)
 

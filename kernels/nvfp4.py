@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
+from .e2m1 import E2M1_MAX, decode_e2m1_packed, encode_e2m1, pack_nibbles
 from .scales import E4M3_MAX, E4M3_MIN_SUBNORMAL, decode_e4m3, encode_e4m3
 
 BLOCK = 16
@@ -74,7 +74,7 @@ def quantize_nvfp4(x: torch.Tensor, alpha: float | None = None) -> Nvfp4:
 
 def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, alpha: float | torch.Tensor) -> torch.Tensor:
     """packed [..., K/2], scale bytes [..., K/16], alpha -> float32 [..., K]."""
-    values = _blocks(decode_e2m1(unpack_nibbles(packed)))
+    values = _blocks(decode_e2m1_packed(packed))
     out = values * decode_e4m3(scales).unsqueeze(-1)
     alpha = torch.as_tensor(alpha, dtype=torch.float32, device=out.device)
     return (out.flatten(-2) * alpha.reshape(alpha.shape + (1,) * (out.dim() - 1 - alpha.dim())))

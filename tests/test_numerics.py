@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nvfp4_megamoe.kernels.e2m1 import E2M1_MAGNITUDES, decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
+from nvfp4_megamoe.kernels.e2m1 import (E2M1_MAGNITUDES, decode_e2m1, decode_e2m1_packed, encode_e2m1, pack_nibbles,
+                                        unpack_nibbles)
 from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize, fp8_block_quantize
 from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up, interleave_gate_up
 from nvfp4_megamoe.kernels.mxfp4 import dequantize_mxfp4, mxfp4_to_nvfp4
@@ -32,6 +33,16 @@ def test_nibble_pack_roundtrip_keeps_every_code(rows, pairs, seed):
     assert torch.equal(unpack_nibbles(packed), codes)
     assert torch.equal(packed & 0xF, codes[:, 0::2])  # low nibble = even element
     assert torch.equal(unpack_nibbles(packed.view(torch.int8)), codes)
+
+
+@SETTINGS
+@given(rows=st.integers(1, 5), n=st.integers(1, 33), seed=st.integers(0, 2**31))
+def test_packed_decode_equals_unpack_then_decode(rows, n, seed):
+    packed = torch.randint(0, 256, (rows, n), dtype=torch.uint8, generator=_gen(seed))
+    want = decode_e2m1(unpack_nibbles(packed))
+    got = decode_e2m1_packed(packed)
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+    assert torch.equal(decode_e2m1_packed(packed.view(torch.int8)), want)
 
 
 def test_negative_zero_survives_pack_and_decode():
@@ -199,10 +210,11 @@ def test_mxfp4_cast_rejects_nan_scale():
         mxfp4_to_nvfp4([w], [s])
 
 
+@pytest.mark.parametrize("rows,cols", [(300, 200), (384, 256)])  # partial blocks, whole blocks
 @pytest.mark.parametrize("scale_kind", ["e8m0", "f32"])
-def test_fp8_block_dequant_roundtrip(scale_kind):
+def test_fp8_block_dequant_roundtrip(scale_kind, rows, cols):
     g = _gen(3)
-    w = (torch.randn(300, 200, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w = (torch.randn(rows, cols, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
     if scale_kind == "e8m0":
         scale = torch.randint(110, 130, (3, 2), dtype=torch.uint8, generator=g)
         values = [2.0 ** (int(b) - 127) for b in scale.reshape(-1)]
@@ -211,6 +223,8 @@ def test_fp8_block_dequant_roundtrip(scale_kind):
         values = scale.reshape(-1).tolist()
     deq = fp8_block_dequantize(w, scale)
     assert deq[130, 150] == w[130, 150].float() * values[1 * 2 + 1]
+    expanded = torch.tensor(values).reshape(3, 2).repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert torch.equal(deq, w.float() * expanded[:rows, :cols])
     assert torch.equal(fp8_block_quantize(deq, scale).view(torch.uint8), w.view(torch.uint8))
 
 
