@@ -146,15 +146,6 @@ class FileReader:
             if fd is not None:
                 os.close(fd)
 
-    def read_bytes(self, name: str) -> bytes:
-        """The raw bytes of one tensor."""
-        t = self.tensors[name]
-        data = os.pread(self._fd(t.file), t.info.nbytes, t.info.start)
-        if len(data) != t.info.nbytes:
-            raise SourceError(f"{t.file}: short read of tensor {name!r} ({len(data)} of {t.info.nbytes} bytes); "
-                              "the file changed or is truncated. Copy or download it again.")
-        return data
-
     def read(self, name: str) -> torch.Tensor:
         """One tensor, as its own dtype and shape, with its values checked.
 
