@@ -35,7 +35,10 @@ from .hub import HubSource, looks_like_repo_id
 from .plan import DEFAULT_SHARD_SIZE, Options, Plan, make_plan
 from .resume import (JOURNAL_FILE, Journal, identity_differences, restore_unit, source_identity, unit_results,
                      write_atomic)
+from .memory import MEMORY_BUDGET, TRIM_AFTER, MemoryBudget, release_memory, working_bytes
 from .source import LocalSource
+from .source_hashes import SourceHashes
+from .staging import Stager
 from .writer import ShardWriter, sha256_file
 
 __all__ = ["ConvertResult", "convert_checkpoint", "open_source", "write_atomic", "DEFAULT_WORKERS"]
@@ -51,10 +54,6 @@ STAGING_DIR = ".nvfp4_source"
 DEFAULT_WORKERS = 2
 # Source shards held on disk at once when the source is not kept (beyond those in use).
 STAGED_AHEAD = 2
-# Working memory of units running at once (estimated): what bounds peak memory, whatever the model size.
-MEMORY_BUDGET = 640 * 2**20
-# Peak working bytes per source byte of one item (measured: FP8 requantization ~19, FP4 recasts ~6).
-WORK_FACTOR = {"fp8": 20, "mxfp4": 6, "nvfp4": 8}
 
 Source = LocalSource | HubSource
 
@@ -159,210 +158,6 @@ def _shard_state(path: Path, size: int) -> str | None:
     except OSError:
         return None
     return sha256_file(path)
-
-
-# ---------------------------------------------------------------------------------------- source staging
-
-
-class Stager:
-    """Fetches the source files units need, in order of first use, and releases them after their last use.
-
-    ``needs[i]`` lists the files unit ``i`` (in run order) reads. Downloads run ahead of the
-    conversion; when ``ahead`` is set, at most that many fetched files wait beyond the ones the
-    earliest unfinished unit needs (so disk use stays at a few shards).
-    """
-
-    def __init__(self, src: Source, needs: list[list[str]], *, ahead: int | None, threads: int,
-                 on_fetched: Callable[[str], None], before_release: Callable[[str], None]):
-        self.src, self.needs, self.ahead = src, needs, ahead
-        self.on_fetched, self.before_release = on_fetched, before_release
-        self.first_use: dict[str, int] = {}
-        self.users: dict[str, int] = {}
-        for i, files in enumerate(needs):
-            for f in files:
-                self.first_use.setdefault(f, i)
-                self.users[f] = self.users.get(f, 0) + 1
-        self.order = sorted(self.first_use, key=lambda f: (self.first_use[f], f))
-        self.cond = threading.Condition()
-        self.ready: set[str] = set()
-        self.resident = 0
-        self.next_file = 0
-        self.finished = [False] * len(needs)
-        self.frontier = 0  # earliest unfinished unit
-        self.error: BaseException | None = None
-        self.stopped = False
-        self.threads = [threading.Thread(target=self._download_loop, name=f"fetch-{k}", daemon=True)
-                        for k in range(min(threads, len(self.order)))]
-        for t in self.threads:
-            t.start()
-
-    def _download_loop(self) -> None:
-        while True:
-            with self.cond:
-                while not self.stopped and self.next_file < len(self.order):
-                    f = self.order[self.next_file]
-                    if self.ahead is None or self.resident < self.ahead or self.first_use[f] <= self.frontier:
-                        break
-                    self.cond.wait()
-                if self.stopped or self.next_file >= len(self.order):
-                    return
-                self.next_file += 1
-                self.resident += 1
-            try:
-                self.src.fetch(f)
-                self.on_fetched(f)
-            except BaseException as exc:  # noqa: BLE001 - handed to the converting thread
-                with self.cond:
-                    self.error = self.error or exc
-                    self.cond.notify_all()
-                return
-            with self.cond:
-                self.ready.add(f)
-                self.cond.notify_all()
-
-    def wait(self, i: int) -> None:
-        """Block until unit ``i``'s files are all fetched."""
-        with self.cond:
-            while not all(f in self.ready for f in self.needs[i]):
-                if self.error is not None:
-                    raise self.error
-                self.cond.wait()
-
-    def done(self, i: int) -> None:
-        """Unit ``i`` finished: release files no later unit needs."""
-        release = []
-        with self.cond:
-            self.finished[i] = True
-            while self.frontier < len(self.finished) and self.finished[self.frontier]:
-                self.frontier += 1
-            for f in self.needs[i]:
-                self.users[f] -= 1
-                if self.users[f] == 0:
-                    release.append(f)
-            self.cond.notify_all()
-        for f in release:
-            self.before_release(f)
-            self.src.release(f)
-            with self.cond:
-                self.resident -= 1
-                self.cond.notify_all()
-
-    def fail(self, exc: BaseException) -> None:
-        """A unit failed: wake whoever waits for files (the failure is reported, not a download)."""
-        with self.cond:
-            self.error = self.error or exc
-            self.cond.notify_all()
-
-    def stop(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.cond.notify_all()
-        for t in self.threads:
-            t.join()
-
-
-# ---------------------------------------------------------------------------------------- memory
-
-
-def working_bytes(unit, src: Source) -> int:
-    """Estimated peak working memory of a unit: one item (expert or matrix) at a time; copies need none."""
-    fmt = getattr(unit, "fmt", None)
-    members = getattr(unit, "members", None)
-    if fmt is None or not members:
-        return 0
-    item = sum(src.tensors[n].info.nbytes for part in members[0] for n in part.values())
-    return WORK_FACTOR.get(fmt, 20) * item
-
-
-def _malloc_trim() -> Callable[[], None]:
-    """glibc's ``malloc_trim(0)``: hand freed heap memory back to the OS. After a large unit, the freed
-    temporaries would otherwise stay in the worker thread's malloc arena and count as resident."""
-    try:
-        import ctypes
-
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-        return lambda: trim(0)
-    except (OSError, AttributeError):
-        return lambda: None
-
-
-release_memory = _malloc_trim()
-TRIM_AFTER = 64 * 2**20
-
-
-class MemoryBudget:
-    """Units reserve their working memory before they run; one larger than the budget runs alone."""
-
-    def __init__(self, total: int):
-        self.total = self.free = total
-        self.cond = threading.Condition()
-
-    def acquire(self, n: int) -> int:
-        n = min(n, self.total)
-        with self.cond:
-            while self.free < n:
-                self.cond.wait()
-            self.free -= n
-        return n
-
-    def release(self, n: int) -> None:
-        with self.cond:
-            self.free += n
-            self.cond.notify_all()
-
-
-# ---------------------------------------------------------------------------------------- hashing
-
-
-class SourceHashes:
-    """sha256 of every source file: computed in the background (local), or the Hub's LFS sha256 checked
-    against the downloaded bytes. Reused from the journal on resume for unchanged local files."""
-
-    def __init__(self, src: Source, journal: Journal, pool: ThreadPoolExecutor):
-        self.src, self.journal, self.pool = src, journal, pool
-        self.futures: dict[str, Future] = {}
-        self.lock = threading.Lock()
-
-    def start(self, file: str) -> None:
-        with self.lock:
-            if file in self.futures:
-                return
-            known = self.src.known_sha256(file)
-            if known is None and file in self.journal.source_sha256 and isinstance(self.src, LocalSource):
-                self.futures[file] = _value(self.journal.source_sha256[file])
-                return
-            path = self.src.file_path(file)
-            self.futures[file] = self.pool.submit(self._hash, file, path, known)
-
-    def _hash(self, file: str, path: Path, known: str | None) -> str:
-        sha = sha256_file(path)
-        if known is not None and sha != known:
-            raise SourceError(f"{self.src.description}/{file}: the downloaded file's sha256 is {sha}, but the Hub "
-                              f"published {known}; the download is corrupt. Nothing was finished; run again "
-                              "(with --resume) to download it again.")
-        self.journal.add_source_hash(file, sha)
-        return sha
-
-    def wait(self, file: str) -> None:
-        f = self.futures.get(file)
-        if f is not None:
-            f.result()
-
-    def result(self) -> dict:
-        out = {}
-        for file in self.src.files:
-            f = self.futures.get(file)
-            sha = f.result() if f is not None else self.src.known_sha256(file) or self.journal.source_sha256.get(file)
-            if sha is None:  # a local file no remaining unit needed and no journal entry: hash it now
-                sha = sha256_file(self.src.file_path(file))
-            out[file] = {"size": self.src.file_size(file), "sha256": sha}
-        return out
-
-
-def _value(v) -> Future:
-    f: Future = Future()
-    f.set_result(v)
-    return f
 
 
 # ---------------------------------------------------------------------------------------- manifest
