@@ -31,7 +31,8 @@ from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize
 from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up, interleave_gate_up
 from nvfp4_megamoe.kernels.mxfp4 import mxfp4_to_nvfp4
 from nvfp4_megamoe.kernels.scales import decode_e4m3
-from nvfp4_megamoe.kernels.nvfp4 import BLOCK, block_scales_for, dequantize_nvfp4, encode_nvfp4, global_scale_for
+from nvfp4_megamoe.kernels.nvfp4 import (BLOCK, block_amax, block_scales_from_amax, dequantize_nvfp4, encode_nvfp4,
+                                         global_scale_for)
 from nvfp4_megamoe.kernels.swizzle import swizzle_block_scales, unswizzle_block_scales
 
 
@@ -122,9 +123,10 @@ def fp8_forward(weights: list[torch.Tensor], scales: list[torch.Tensor],
     a single alpha); otherwise each part gets its own (routed experts carry a pair).
     """
     values = [fp8_block_dequantize(w, s) for w, s in zip(weights, scales)]
-    amax = [float(v.abs().max()) for v in values]
+    block_max = [block_amax(v) for v in values]  # one pass gives both the block and the global amax
+    amax = [float(b.max()) for b in block_max]
     alphas = [global_scale_for(max(amax))] * len(values) if shared_alpha else [global_scale_for(a) for a in amax]
-    blocks = [block_scales_for(v, a) for v, a in zip(values, alphas)]
+    blocks = [block_scales_from_amax(b, a) for b, a in zip(block_max, alphas)]
     packed = [encode_nvfp4(v, b, a) for v, b, a in zip(values, blocks, alphas)]
     p, swz = to_kernel_layout(packed, blocks)
     return KernelMatrix(p, swz, tuple(alphas)), values

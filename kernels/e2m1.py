@@ -19,6 +19,19 @@ _THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _UPPER_IS_EVEN = (False, True, False, True, False, True, False)
 
 
+def _threshold_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    # Every threshold is a multiple of 1/4, so with t = 4|x| (exact): t >= 4*th <=> floor(t) >= 4*th
+    # and t > 4*th <=> ceil(t) > 4*th. The code is the number of thresholds passed: inclusive ones
+    # counted from floor(t), strict ones from ceil(t), each by a 32-entry table (t clamped to 31).
+    k = torch.arange(32)
+    inclusive = sum((k >= 4 * th).to(torch.uint8) for th, even in zip(_THRESHOLDS, _UPPER_IS_EVEN) if even)
+    strict = sum((k > 4 * th).to(torch.uint8) for th, even in zip(_THRESHOLDS, _UPPER_IS_EVEN) if not even)
+    return inclusive.to(torch.uint8), strict.to(torch.uint8)
+
+
+_BY_FLOOR, _BY_CEIL = _threshold_tables()
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Pack uint8 codes [..., 2n] (values 0..15) into bytes [..., n]; element 2i goes to the low nibble."""
     if codes.dtype != torch.uint8:
@@ -67,8 +80,9 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     The sign bit follows ``signbit(x)``, so negative values that round to zero give -0 (0x8),
     as the hardware conversion does. ``x`` must be finite.
     """
-    mag = x.abs().float()
-    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
-    for threshold, even in zip(_THRESHOLDS, _UPPER_IS_EVEN):
-        code.add_(torch.ge(mag, threshold) if even else torch.gt(mag, threshold))
+    t = x.float().abs().mul_(4).clamp_(max=31).reshape(-1)
+    lo = t.to(torch.int32)  # floor, t >= 0
+    hi = t.ceil_().to(torch.int32)
+    by_floor, by_ceil = _BY_FLOOR.to(x.device), _BY_CEIL.to(x.device)
+    code = by_floor.index_select(0, lo).add_(by_ceil.index_select(0, hi)).reshape(x.shape)
     return code.bitwise_or_(torch.signbit(x).to(torch.uint8).bitwise_left_shift_(3))

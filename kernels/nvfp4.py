@@ -48,10 +48,19 @@ def global_scale_for(amax: float) -> float:
     return float(torch.tensor(amax / (E2M1_MAX * E4M3_MAX) if amax > 0 else 1.0, dtype=torch.float32))
 
 
+def block_amax(x: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude of each 16-block: [..., K] -> float32 [..., K/16] (its max is the tensor's amax)."""
+    return _blocks(x.float()).abs().amax(dim=-1)
+
+
+def block_scales_from_amax(amax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """E4M3 scale bytes from block amaxes under global scale ``alpha`` (the recipe's clamp and rounding)."""
+    return encode_e4m3((amax / (E2M1_MAX * alpha)).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX))
+
+
 def block_scales_for(x: torch.Tensor, alpha: float) -> torch.Tensor:
     """E4M3 scale bytes [..., K/16] for ``x`` [..., K] under global scale ``alpha``."""
-    block_amax = _blocks(x.float()).abs().amax(dim=-1)
-    return encode_e4m3((block_amax / (E2M1_MAX * alpha)).clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX))
+    return block_scales_from_amax(block_amax(x), alpha)
 
 
 def encode_nvfp4(x: torch.Tensor, scales: torch.Tensor, alpha: float) -> torch.Tensor:

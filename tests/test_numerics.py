@@ -59,6 +59,20 @@ def test_e2m1_encode_ties_to_even_and_saturates():
     assert encode_e2m1(torch.tensor([-0.1]))[0] == 0x8
 
 
+@SETTINGS
+@given(seed=st.integers(0, 2**31))
+def test_e2m1_encode_matches_threshold_definition(seed):
+    """Counting thresholds passed (strict where the upper code is odd, inclusive where even)."""
+    g = _gen(seed)
+    quarters = torch.randint(-40, 41, (512,), generator=g).float() / 4  # every tie, exactly
+    x = torch.cat((quarters, (torch.rand(4096, generator=g) - 0.5) * 20, torch.tensor([1e30, -1e30, -0.0])))
+    mag = x.abs()
+    want = sum((mag >= th if even else mag > th).to(torch.uint8)
+               for th, even in ((0.25, 0), (0.75, 1), (1.25, 0), (1.75, 1), (2.5, 0), (3.5, 1), (5.0, 0)))
+    want = want | (torch.signbit(x).to(torch.uint8) << 3)
+    assert torch.equal(encode_e2m1(x), want)
+
+
 def test_e2m1_decode_encode_is_identity_on_all_codes():
     codes = torch.arange(16, dtype=torch.uint8)
     assert torch.equal(encode_e2m1(decode_e2m1(codes)), codes)
