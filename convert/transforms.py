@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -132,7 +133,15 @@ def fp8_forward(weights: list[torch.Tensor], scales: list[torch.Tensor],
     return KernelMatrix(p, swz, tuple(alphas)), values
 
 
-def dequantize_fused(m: KernelMatrix, parts: int) -> list[torch.Tensor]:
-    """A fused format-1 matrix -> float32 values per part (gate, up) or the single part."""
+# Rows dequantised at a time when measuring error, so float32 copies of a large matrix never coexist.
+DEQUANT_CHUNK = 1 << 22
+
+
+def dequantize_fused(m: KernelMatrix, parts: int) -> Iterator[tuple[int, slice, torch.Tensor]]:
+    """A fused format-1 matrix -> float32 values, as (part, row slice, values) chunks of each part (gate, up)."""
     packed, scales = from_kernel_layout(m.packed, m.scales, parts)
-    return [dequantize_nvfp4(p, s, a) for p, s, a in zip(packed, scales, m.alphas)]
+    for j, (p, s, a) in enumerate(zip(packed, scales, m.alphas)):
+        per = max(1, DEQUANT_CHUNK // (2 * p.shape[-1]))
+        for r in range(0, p.shape[0], per):
+            rows = slice(r, r + per)
+            yield j, rows, dequantize_nvfp4(p[rows], s[rows], a)

@@ -191,8 +191,8 @@ class FusedMatrices:
             self.inexact += m.inexact_blocks
             if ref is not None:
                 self.measured = True
-                for r, x in zip(ref, dequantize_fused(m, parts)):
-                    self.stats.update(r, x)
+                for j, rows, approx in dequantize_fused(m, parts):
+                    self.stats.update(ref[j][rows], approx)
             sink.write(self.weight.name, e * w_bytes, m.packed)
             sink.write(self.scale.name, e * s_bytes, m.scales)
             alphas = torch.tensor(m.alphas[: self.alphas_per_item], dtype=torch.float32)

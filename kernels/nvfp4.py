@@ -63,11 +63,22 @@ def block_scales_for(x: torch.Tensor, alpha: float) -> torch.Tensor:
     return block_scales_from_amax(block_amax(x), alpha)
 
 
+# Elements encoded per step: bounds the encoder's temporaries (a few bytes each) to tens of MB
+# whatever the matrix size, which keeps the converter's peak memory flat.
+ENCODE_CHUNK = 1 << 22
+
+
 def encode_nvfp4(x: torch.Tensor, scales: torch.Tensor, alpha: float) -> torch.Tensor:
     """Codes for ``x`` [..., K] under given scale bytes [..., K/16] and ``alpha``, packed to [..., K/2]."""
-    step = decode_e4m3(scales).unsqueeze(-1) * torch.tensor(alpha, dtype=torch.float32)
-    codes = encode_e2m1(_blocks(x.float()) / step)
-    return pack_nibbles(codes.reshape(x.shape))
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    steps = decode_e4m3(scales.reshape(-1, scales.shape[-1])).unsqueeze(-1) * torch.tensor(alpha, dtype=torch.float32)
+    out = torch.empty(rows.shape[0], k // 2, dtype=torch.uint8, device=x.device)
+    per = max(1, ENCODE_CHUNK // max(k, 1))
+    for r in range(0, rows.shape[0], per):
+        codes = encode_e2m1(_blocks(rows[r:r + per].float()) / steps[r:r + per])
+        out[r:r + per] = pack_nibbles(codes.reshape(-1, k))
+    return out.reshape(*x.shape[:-1], k // 2)
 
 
 def quantize_nvfp4(x: torch.Tensor, alpha: float | None = None) -> Nvfp4:
