@@ -30,16 +30,15 @@ from typing import Callable
 
 import torch
 
-from nvfp4_megamoe.kernels.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
+from nvfp4_megamoe.kernels.e2m1 import unpack_nibbles
 from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize
-from nvfp4_megamoe.kernels.mxfp4 import MX_BLOCK, dequantize_mxfp4
+from nvfp4_megamoe.kernels.mxfp4 import (E4M3_POW2_MAX, E4M3_POW2_MIN, dequantize_mxfp4, nonzero_blocks, requantize_blocks,
+                                         shared_exponent)
 from nvfp4_megamoe.kernels.nvfp4 import BLOCK, block_scales_for, dequantize_nvfp4, encode_nvfp4, global_scale_for
-from nvfp4_megamoe.kernels.scales import encode_e4m3
+from nvfp4_megamoe.kernels.scales import e8m0_exponent, encode_e4m3
 
 from .stats import ErrorStats
 from .transforms import ct_alpha, ct_alpha_is_exact, dequantize_ct_nvfp4, from_kernel_layout
-
-E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
 
 
 @dataclass(frozen=True)
@@ -122,13 +121,6 @@ def _parts(item: Item, parts: int) -> tuple[list[torch.Tensor], list[torch.Tenso
 PART_NAMES = {1: (None,), 2: ("w1 (gate)", "w3 (up)")}
 
 
-def _nonzero_32blocks(packed: torch.Tensor) -> torch.Tensor:
-    """[..., K/2] packed codes -> bool [..., K/32]: does the 32-block hold a non-zero value (+-0 are zero)?"""
-    masked = (packed.view(torch.uint8) & 0x77).contiguous()
-    words = masked.view(torch.int64).reshape(*masked.shape[:-1], -1, 2)
-    return (words[..., 0] | words[..., 1]) != 0
-
-
 # E4M3 byte of 2**j for j = -9..8 (index j + 9): the only scale bytes an exact MXFP4 cast can hold.
 _POW2_E4M3 = encode_e4m3(torch.exp2(torch.arange(E4M3_POW2_MIN, E4M3_POW2_MAX + 1, dtype=torch.float32)))
 
@@ -143,10 +135,9 @@ def check_mxfp4(item: Item, sources: list[dict[str, str]], read: SourceReader, a
     packed, scales = _parts(item, parts)
     src_w = [read(p["weight"]).view(torch.uint8) for p in sources]
     src_s = [read(p["scale"]).view(torch.uint8) for p in sources]
-    nonzero = [_nonzero_32blocks(w) for w in src_w]
-    k = [s.to(torch.int32) - 127 for s in src_s]
-    tops = [int(kk[nz].max()) for kk, nz in zip(k, nonzero) if nz.any()]
-    m = max(tops) - E4M3_POW2_MAX if tops else 0
+    nonzero = [nonzero_blocks(w) for w in src_w]
+    k = [e8m0_exponent(s) for s in src_s]
+    m = shared_exponent(src_s, nonzero)
     want_alpha = math.ldexp(1.0, m)
     if any(a != want_alpha for a in item.alphas):
         acc.problem(item.names["alpha"], f"alpha{item.where()} is {list(item.alphas)!r}, the MXFP4 cast gives "
@@ -158,12 +149,8 @@ def check_mxfp4(item: Item, sources: list[dict[str, str]], read: SourceReader, a
         rel = k[j] - m
         out_of_range = nonzero[j] & (rel < E4M3_POW2_MIN)
         expected = src_w[j]
-        if out_of_range.any():
-            codes = unpack_nibbles(src_w[j])
-            blocks = codes.reshape(*codes.shape[:-1], -1, MX_BLOCK)
-            shift = torch.exp2((rel - E4M3_POW2_MIN).clamp(max=0).float()).unsqueeze(-1)
-            requant = encode_e2m1(decode_e2m1(blocks) * shift)
-            expected = pack_nibbles(torch.where(out_of_range.unsqueeze(-1), requant, blocks).reshape(codes.shape))
+        if out_of_range.any():  # the documented fallback: codes re-rounded to the 2**-9 step
+            expected = requantize_blocks(src_w[j], rel, out_of_range)
         bad = packed[j] != expected
         if bad.any():
             acc.problem(item.names["weight"], f"{_count(bad)} packed E2M1 bytes{item.where(name)} differ from "

@@ -48,7 +48,7 @@ class CastResult:
     fallback_blocks: int
 
 
-def _nonzero_blocks(packed: torch.Tensor) -> torch.Tensor:
+def nonzero_blocks(packed: torch.Tensor) -> torch.Tensor:
     """[..., K/2] packed -> bool [..., K/32]: does the 32-block hold a non-zero value?
 
     A code is zero when its magnitude bits are 0 (+0 or -0), so a block's 16 bytes masked with
@@ -59,13 +59,13 @@ def _nonzero_blocks(packed: torch.Tensor) -> torch.Tensor:
     return (words[..., 0] | words[..., 1]) != 0
 
 
-def shared_exponent(packed: list[torch.Tensor], scales: list[torch.Tensor]) -> int:
-    """``m = k_max - 8`` over the non-zero 32-blocks of all the matrices (0 if all are zero)."""
+def shared_exponent(scales: list[torch.Tensor], nonzero: list[torch.Tensor]) -> int:
+    """``m = k_max - 8`` over the non-zero 32-blocks (masks from :func:`nonzero_blocks`) of all
+    the matrices (0 if all are zero)."""
     k_max = None
-    for p, s in zip(packed, scales):
+    for s, nz in zip(scales, nonzero):
         if (s.view(torch.uint8) == E8M0_NAN).any():
             raise ValueError("E8M0 scale byte 0xFF (NaN) cannot be cast")
-        nz = _nonzero_blocks(p)
         if nz.any():
             top = int(e8m0_exponent(s)[nz].max())
             k_max = top if k_max is None else max(k_max, top)
@@ -74,24 +74,24 @@ def shared_exponent(packed: list[torch.Tensor], scales: list[torch.Tensor]) -> i
 
 def mxfp4_to_nvfp4(packed: list[torch.Tensor], scales: list[torch.Tensor]) -> CastResult:
     """Cast MXFP4 matrices (e.g. [w1, w3]) onto one NVFP4 global scale; see the module docstring."""
-    m = shared_exponent(packed, scales)
+    nonzero = [nonzero_blocks(p) for p in packed]
+    m = shared_exponent(scales, nonzero)
     out_packed, out_scales, fallbacks = [], [], 0
-    for p, s in zip(packed, scales):
+    for p, s, nz in zip(packed, scales, nonzero):
         p = p.view(torch.uint8)
         rel = e8m0_exponent(s) - m
-        nz = _nonzero_blocks(p)
         out_of_range = nz & (rel < E4M3_POW2_MIN)
         sb = pow2_e4m3(rel.clamp(E4M3_POW2_MIN, E4M3_POW2_MAX))
         if out_of_range.any():
             fallbacks += int(out_of_range.sum())
-            p = _requantize_blocks(p, rel, out_of_range)
+            p = requantize_blocks(p, rel, out_of_range)
         out_packed.append(p)
         out_scales.append(sb.repeat_interleave(2, dim=-1))
     alpha = float(torch.ldexp(torch.tensor(1.0), torch.tensor(m)))
     return CastResult(out_packed, out_scales, alpha, fallbacks)
 
 
-def _requantize_blocks(packed: torch.Tensor, rel: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def requantize_blocks(packed: torch.Tensor, rel: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Re-round the codes of masked 32-blocks from step 2**rel to step 2**-9 (relative to alpha)."""
     codes = unpack_nibbles(packed)
     blocks = codes.reshape(*codes.shape[:-1], -1, MX_BLOCK)
