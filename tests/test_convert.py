@@ -252,21 +252,17 @@ def test_missing_siblings_and_experts_are_all_listed(tmp_path):
     _assert_nothing_written(tmp_path / "out")
 
 
-def test_layer_without_experts_is_refused(tmp_path):
+@pytest.mark.parametrize("removed,named", [
+    ("layers.2.ffn.experts.", r"layers\.2\.ffn\.experts"),                     # a layer without experts
+    ("layers.1.ffn.experts.3.", r"layers\.1\.ffn\.experts\.3\.w1\.weight"),  # one expert missing
+])
+def test_missing_experts_are_refused(tmp_path, removed, named):
     src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
     index = json.loads((src / "model.safetensors.index.json").read_text())
-    _remove_tensors(src, [n for n in index["weight_map"] if n.startswith("layers.2.ffn.experts.")])
-    with pytest.raises(PlanError, match=r"layers\.2\.ffn\.experts"):
+    _remove_tensors(src, [n for n in index["weight_map"] if n.startswith(removed)])
+    with pytest.raises(PlanError, match=named):
         convert_checkpoint(src, tmp_path / "out", progress=False)
     _assert_nothing_written(tmp_path / "out")
-
-
-def test_missing_expert_is_refused(tmp_path):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    _remove_tensors(src, [n for n in index["weight_map"] if n.startswith("layers.1.ffn.experts.3.")])
-    with pytest.raises(PlanError, match=r"layers\.1\.ffn\.experts\.3\.w1\.weight"):
-        convert_checkpoint(src, tmp_path / "out", progress=False)
 
 
 def test_dry_run_prints_plan_and_writes_nothing(tmp_path):
