@@ -62,11 +62,19 @@ class Sm90Nvfp4GroupedGemm:
         b_depth: k-tiles of activation loads in flight (0: loaded when used; None: 2 for 8-token tiles).
         split_k: CTAs sharing one tile's K (``"scatter"`` only: its atomics already add partial sums).
         out_bf16: ``"store"`` writes BF16 instead of float32.
+        l2_prefetch: bytes the L2 fetches around each weight load (0, 64, 128, 256; ``sm90_ptx.ld_global_v4``).
+        pdl: programmatic dependent launch. The kernel may start while the previous kernel of the stream
+            still runs (``griddepcontrol``): ``"swiglu"`` zeroes ``out`` first, then waits for the routing;
+            ``"scatter"`` reads its tile and starts its weight loads, then waits for L1's ``h``. Both let
+            their own dependent start early. Only for the MoE chain routing -> L1 -> L2 (``sm90_moe``).
+        pdl_prefetch: with ``pdl``, ``"scatter"`` also asks the L2 for the rest of its weight slice
+            before waiting, so the weights stream in while L1 finishes.
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
                  warps: int = 4, row_tiles: int = 1, depth: int = 4, b_depth: int | None = None,
-                 split_k: int = 1, out_bf16: bool = False):
+                 split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
+                 pdl_prefetch: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -85,6 +93,11 @@ class Sm90Nvfp4GroupedGemm:
             raise ValueError(f"K={k} must be a multiple of {K_TILE}")
         self.swiglu_limit = swiglu_limit
         self.out_bf16 = out_bf16
+        if l2_prefetch not in ptx.L2_PREFETCH_BYTES:
+            raise ValueError(f"l2_prefetch must be one of {ptx.L2_PREFETCH_BYTES}, got {l2_prefetch}")
+        self.l2_prefetch = l2_prefetch
+        self.pdl = pdl and mode != "store"
+        self.pdl_prefetch = pdl_prefetch and self.pdl and mode == "scatter"
         self.scale_bytes = swizzled_nbytes(m, k // 16)  # per expert
         self.kb4 = math.ceil(k // 16 / 4)  # 512-byte scale atoms per 128 rows
         self.epi_scale = float(2 ** ptx.EPILOGUE_LOG2)
@@ -97,7 +110,7 @@ class Sm90Nvfp4GroupedGemm:
 
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
-                self.b_depth, self.split_k, self.out_bf16)
+                self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -108,7 +121,8 @@ class Sm90Nvfp4GroupedGemm:
         else:
             n_tiles = mTiles.shape[0]
         self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
-            grid=[self.m // self.bm, n_tiles, self.split_k], block=[self.warps * 32, 1, 1], stream=stream)
+            grid=[self.m // self.bm, n_tiles, self.split_k], block=[self.warps * 32, 1, 1], stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -123,6 +137,9 @@ class Sm90Nvfp4GroupedGemm:
             zbase = mZero.iterator.toint()
             for q in cutlass.range((by * gx + bx) * (self.warps * 32) + tidx, n16, gx * gy * (self.warps * 32), unroll=1):
                 ptx.st_global_v4_zero(zbase + Int64(q) * 16)
+        if const_expr(self.pdl and self.mode == "swiglu"):
+            cute.arch.griddepcontrol_wait()              # the routing's tiles are complete from here
+            cute.arch.griddepcontrol_launch_dependents()
         warp = tidx // 32
         lane = tidx % 32
         g = lane // 4
@@ -187,6 +204,14 @@ class Sm90Nvfp4GroupedGemm:
         kt_last = kt0 + n_kt - 1
         for d in cutlass.range_constexpr(D):
             self.load_a(wbuf, sbuf, a_addr, s_addr, d, kt0 + d)
+        if const_expr(self.pdl_prefetch):
+            if c == 0:  # one lane per row: the rest of the row's slice, a 128-byte line per two k-tiles
+                for mt in cutlass.range_constexpr(self.row_tiles):
+                    for h in cutlass.range_constexpr(2):
+                        for j in cutlass.range((kt0 + D) // 2, (kt0 + n_kt) // 2, unroll=1):
+                            ptx.prefetch_l2(a_addr[mt, h] + Int64(j * 128))
+        if const_expr(self.pdl and self.mode == "scatter"):
+            cute.arch.griddepcontrol_wait()  # L1's h (the B operand) is complete from here
         for d in cutlass.range_constexpr(DB):
             self.load_b(xbuf, b_addr, d, kt0 + d)
 
@@ -226,7 +251,7 @@ class Sm90Nvfp4GroupedGemm:
                slot: cutlass.Constexpr[int], kt: Int32):
         for mt in cutlass.range_constexpr(self.row_tiles):
             for h in cutlass.range_constexpr(2):
-                v = ptx.ld_global_v4(a_addr[mt, h] + Int64(kt * 64))
+                v = ptx.ld_global_v4(a_addr[mt, h] + Int64(kt * 64), self.l2_prefetch)
                 for i in cutlass.range_constexpr(4):
                     wbuf[slot, mt, h, i] = v[i]
                 sbuf[slot, mt, h] = ptx.ld_global_u16(s_addr[mt, h] + Int64(kt * 1024))

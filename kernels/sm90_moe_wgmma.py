@@ -43,10 +43,11 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         m, k, mode, swiglu_limit, depth: as :class:`Sm90Nvfp4GroupedGemm` (mode ``"swiglu"``/``"scatter"``).
         tile_tokens: N, tokens per work item: 16 .. 256, a multiple of 16.
         warpgroups: warpgroups per CTA (each owns 64 weight rows).
+        l2_prefetch: bytes the L2 fetches around each weight load (``sm90_ptx.ld_global_v4``).
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 128, swiglu_limit: float | None = None,
-                 warpgroups: int = 2, depth: int | None = None, **_ignored):
+                 warpgroups: int = 2, depth: int | None = None, l2_prefetch: int = 0, **_ignored):
         if mode not in ("swiglu", "scatter"):
             raise ValueError(f"the wgmma GEMM has modes swiglu/scatter, got {mode!r}")
         if tile_tokens % 16 or not 16 <= tile_tokens <= 256:
@@ -73,6 +74,9 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         self.n_ld = self.bn * 16 // self.threads  # 16-byte activation chunks per thread per k-tile
         self.swiglu_limit = swiglu_limit
         self.out_bf16 = False
+        if l2_prefetch not in ptx.L2_PREFETCH_BYTES:
+            raise ValueError(f"l2_prefetch must be one of {ptx.L2_PREFETCH_BYTES}, got {l2_prefetch}")
+        self.l2_prefetch = l2_prefetch
         from .swizzle import swizzled_nbytes
         import math
         self.scale_bytes = swizzled_nbytes(m, k // 16)
@@ -83,7 +87,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         self.stage_bytes = 2 * self.region   # one 128-K tile
 
     def key(self) -> tuple:
-        return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth)
+        return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth, self.l2_prefetch)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,

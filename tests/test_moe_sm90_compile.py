@@ -30,18 +30,25 @@ V4 = {"flash": (4096, 2048, 256), "pro": (7168, 3072, 384)}
 class _Layer:
     """The attributes Sm90NvFp4MoE.kernels reads, without allocating CUDA workspaces."""
 
-    def __init__(self, h, i, e, k, limit):
+    def __init__(self, h, i, e, k, limit, tuning=None):
         self.h, self.i, self.e, self.k, self.limit = h, i, e, k, limit
-        self.tuning = {}
+        self.tuning = tuning or {}
 
 
-@pytest.mark.parametrize("model,tile_tokens,wgmma", [
-    ("flash", 8, False), ("flash", 64, False), ("pro", 8, False), ("pro", 64, False),
-    ("flash", 32, True), ("flash", 80, True), ("flash", 128, True), ("pro", 96, True)])
-def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma):
+# the tunings: PDL with and without the L2 prefetch of the L2 weights, the L2 load hints, deeper pipelines
+PDL = {"pdl": True, "pdl_prefetch": True, "l2_prefetch": 256}
+
+
+@pytest.mark.parametrize("model,tile_tokens,wgmma,tuning", [
+    ("flash", 8, False, None), ("flash", 64, False, None), ("pro", 8, False, None), ("pro", 64, False, None),
+    ("flash", 8, False, PDL), ("pro", 16, False, {"pdl": True, "l2_prefetch": 128, "l2": {"split_k": 2}}),
+    ("flash", 8, False, {"depth": 8, "l2_prefetch": 64}),
+    ("flash", 32, True, None), ("flash", 80, True, None), ("flash", 128, True, None), ("pro", 96, True, None),
+    ("flash", 128, True, {"wg": {"l2_prefetch": 256}})])
+def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma, tuning):
     h, i, experts = V4[model]
     top_k, t, e = 6, 3, 2  # a CPU stand-in with 2 experts: E and T are runtime sizes
-    routing, l1, l2 = Sm90NvFp4MoE.kernels(_Layer(h, i, experts, top_k, 10.0), tile_tokens, wgmma)
+    routing, l1, l2 = Sm90NvFp4MoE.kernels(_Layer(h, i, experts, top_k, 10.0, tuning), tile_tokens, wgmma)
     p = t * top_k
     i32 = dict(dtype=torch.int32)
     ids, wts = torch.zeros(p, dtype=torch.int64), torch.zeros(p)
@@ -91,3 +98,5 @@ def test_gemm_rejects_bad_config():
         Sm90Nvfp4GroupedGemm(m=100, k=128, mode="store")
     with pytest.raises(ValueError, match="tile_tokens"):
         Sm90Nvfp4GroupedGemm(m=128, k=128, mode="store", tile_tokens=12)
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        Sm90Nvfp4GroupedGemm(m=128, k=128, mode="store", l2_prefetch=32)

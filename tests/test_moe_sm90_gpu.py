@@ -77,6 +77,22 @@ def test_moe_kernel_paths_match_reference(shape, tokens, kind, wgmma):
     test_moe_matches_reference(shape, tokens, kind, tuning={"wgmma": wgmma})
 
 
+# PDL chain (with and without the L2 prefetch of L2's weights), L2 load hints, split-K and deeper pipelines
+TUNED = [
+    ("flash", 1, "uniform", {"pdl": True, "pdl_prefetch": True, "l2_prefetch": 256}),
+    ("flash", 64, "skewed", {"pdl": True, "l2_prefetch": 128, "depth": 8}),
+    ("small", 130, "skewed", {"pdl": True, "pdl_prefetch": True, "l2": {"split_k": 2}}),
+    ("pro", 7, "skewed", {"pdl": True, "l2_prefetch": 256, "l2": {"split_k": 2}}),
+    ("flash", 333, "uniform", {"wgmma": True, "wg": {"l2_prefetch": 256, "depth": 4}}),
+    ("pro", 4095, "uniform", {"wg": {"l2_prefetch": 256}}),
+]
+
+
+@pytest.mark.parametrize("shape,tokens,kind,tuning", TUNED)
+def test_moe_tunings_match_reference(shape, tokens, kind, tuning):
+    test_moe_matches_reference(shape, tokens, kind, tuning=tuning)
+
+
 @pytest.mark.parametrize("shape,tokens,kind", CASES)
 def test_moe_matches_reference(shape, tokens, kind, tuning=None):
     h, i, e, k = SHAPES[shape]
@@ -98,10 +114,11 @@ def test_moe_matches_reference(shape, tokens, kind, tuning=None):
     assert float(ref.abs().mean()) > 1e-2
 
 
-def test_moe_int32_ids_and_cuda_graph():
+@pytest.mark.parametrize("tuning", [None, {"pdl": True, "pdl_prefetch": True}])
+def test_moe_int32_ids_and_cuda_graph(tuning):
     h, i, e, k = SHAPES["small"]
     w = _weights("small")
-    layer = _layer("small")
+    layer = _layer("small", tuning)
     gen = torch.Generator(device="cuda").manual_seed(99)
     t = 37
     x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
