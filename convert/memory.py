@@ -15,8 +15,10 @@ if TYPE_CHECKING:
 
 # Working memory of units running at once (estimated): what bounds peak memory, whatever the model size.
 MEMORY_BUDGET = 640 * 2**20
-# Peak working bytes per source byte of one item (measured: FP8 requantization ~19, FP4 recasts ~6).
-WORK_FACTOR = {"fp8": 20, "mxfp4": 6, "nvfp4": 8}
+# Peak working bytes per source byte of one item, by source format and, where it decides the path, the
+# block-scale dtype (measured: FP8 requantization by the float recipe ~19, by the lookup tables that E8M0
+# scales allow ~3 plus the tables; FP4 recasts ~6).
+WORK_FACTOR = {"fp8": 20, "fp8/F8_E8M0": 5, "mxfp4": 6, "nvfp4": 8}
 
 
 def working_bytes(unit, src: Source) -> int:
@@ -26,7 +28,9 @@ def working_bytes(unit, src: Source) -> int:
     if fmt is None or not members:
         return 0
     item = sum(src.tensors[n].info.nbytes for part in members[0] for n in part.values())
-    return WORK_FACTOR.get(fmt, 20) * item
+    scale = members[0][0].get("scale")
+    kind = f"{fmt}/{src.tensors[scale].info.dtype}" if scale in src.tensors else fmt
+    return WORK_FACTOR.get(kind, WORK_FACTOR.get(fmt, 20)) * item
 
 
 def _malloc_trim() -> Callable[[], None]:

@@ -26,6 +26,22 @@ class ErrorStats:
         if diff.numel():
             self.max_abs = max(self.max_abs, float(diff.abs().max()))
 
+    def update_histogram(self, reference: torch.Tensor, approx: torch.Tensor, counts: torch.Tensor) -> None:
+        """The same sums over ``counts[i]`` elements valued ``(reference[i], approx[i])`` (float32 each).
+
+        The difference is formed in float32 as :meth:`update` forms it; the weighted sums are float64.
+        """
+        seen = counts > 0
+        ref, out, n = reference[seen].float(), approx[seen].float(), counts[seen].double()
+        diff = (out - ref).double()
+        ref, out = ref.double(), out.double()
+        self.diff_sq += float((n * diff * diff).sum())
+        self.ref_sq += float((n * ref * ref).sum())
+        self.out_sq += float((n * out * out).sum())
+        self.dot += float((n * ref * out).sum())
+        if diff.numel():
+            self.max_abs = max(self.max_abs, float(diff.abs().max()))
+
     def merge(self, other: "ErrorStats") -> None:
         self.diff_sq += other.diff_sq
         self.ref_sq += other.ref_sq

@@ -12,8 +12,10 @@ Composed from the primitives in ``nvfp4_megamoe.kernels``:
   ``weight_global_scale``): codes and scale bytes kept, each half's alpha = float32(1 / global
   scale), exact only when the global scale is a power of two (``ct_alpha_is_exact``);
   ``dequantize_ct_nvfp4`` is compressed-tensors' own float32 reading, ``e2m1 * (e4m3 / gs)``.
-* ``fp8_forward`` / ``dequantize_fused``: FP8 (128x128 block scales) requantised to NVFP4 (lossy),
-  and the dequantisation that verify compares with the FP8 source.
+* ``fp8_forward`` / ``dequantize_fused``: FP8 (128x128 block scales) requantised to NVFP4 (lossy;
+  ``kernels.fp8_nvfp4``: exact lookup tables where they apply, else the float recipe), and the
+  dequantisation that verify compares with the FP8 source. ``measure_error`` adds a result's
+  error against its float sources (or the tables' exact value histograms) to running statistics.
 
 Every result carries one alpha per part (``alphas``); parts that share a global scale (the
 MXFP4 cast over w1 and w3 together, a dense fused linear) repeat the same value.
@@ -28,13 +30,14 @@ from typing import Iterator
 import torch
 
 from nvfp4_megamoe.kernels.e2m1 import decode_e2m1, unpack_nibbles
-from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize
+from nvfp4_megamoe.kernels.fp8_nvfp4 import ValueHistogram, fp8_to_nvfp4
 from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up, interleave_gate_up
 from nvfp4_megamoe.kernels.mxfp4 import mxfp4_to_nvfp4
 from nvfp4_megamoe.kernels.scales import decode_e4m3
-from nvfp4_megamoe.kernels.nvfp4 import (BLOCK, block_amax, block_scales_from_amax, dequantize_nvfp4, encode_nvfp4,
-                                         global_scale_for)
+from nvfp4_megamoe.kernels.nvfp4 import BLOCK, dequantize_nvfp4
 from nvfp4_megamoe.kernels.swizzle import swizzle_block_scales, unswizzle_block_scales
+
+from .stats import ErrorStats
 
 
 @dataclass(frozen=True)
@@ -117,20 +120,16 @@ def dequantize_ct_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale
 
 
 def fp8_forward(weights: list[torch.Tensor], scales: list[torch.Tensor],
-                shared_alpha: bool) -> tuple[KernelMatrix, list[torch.Tensor]]:
-    """FP8 parts (block-scaled) -> one fused NVFP4 matrix, plus the float32 sources.
+                shared_alpha: bool) -> tuple[KernelMatrix, list[torch.Tensor] | list[ValueHistogram]]:
+    """FP8 parts (block-scaled) -> one fused NVFP4 matrix, plus what its error is measured against
+    (:func:`measure_error`): the float32 sources, or per part the tables' exact value histogram.
 
     With ``shared_alpha`` all parts are quantised on one global scale (a dense fused linear has
     a single alpha); otherwise each part gets its own (routed experts carry a pair).
     """
-    values = [fp8_block_dequantize(w, s) for w, s in zip(weights, scales)]
-    block_max = [block_amax(v) for v in values]  # one pass gives both the block and the global amax
-    amax = [float(b.max()) for b in block_max]
-    alphas = [global_scale_for(max(amax))] * len(values) if shared_alpha else [global_scale_for(a) for a in amax]
-    blocks = [block_scales_from_amax(b, a) for b, a in zip(block_max, alphas)]
-    packed = [encode_nvfp4(v, b, a) for v, b, a in zip(values, blocks, alphas)]
-    p, swz = to_kernel_layout(packed, blocks)
-    return KernelMatrix(p, swz, tuple(alphas)), values
+    cast = fp8_to_nvfp4(weights, scales, shared_alpha)
+    p, swz = to_kernel_layout(cast.packed, cast.scales)
+    return KernelMatrix(p, swz, cast.alphas), cast.histograms or cast.sources
 
 
 # Rows dequantised at a time when measuring error, so float32 copies of a large matrix never coexist.
@@ -145,3 +144,13 @@ def dequantize_fused(m: KernelMatrix, parts: int) -> Iterator[tuple[int, slice, 
         for r in range(0, p.shape[0], per):
             rows = slice(r, r + per)
             yield j, rows, dequantize_nvfp4(p[rows], s[rows], a)
+
+
+def measure_error(stats: ErrorStats, m: KernelMatrix, refs: list[torch.Tensor] | list[ValueHistogram]) -> None:
+    """Add the error of fused matrix ``m`` against its parts' float32 sources, or their value histograms."""
+    if isinstance(refs[0], ValueHistogram):
+        for h in refs:
+            stats.update_histogram(h.reference, h.approx, h.counts)
+        return
+    for j, rows, approx in dequantize_fused(m, len(refs)):
+        stats.update(refs[j][rows], approx)

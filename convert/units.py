@@ -13,6 +13,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from nvfp4_megamoe.kernels.fp8_nvfp4 import ValueHistogram
 from nvfp4_megamoe.kernels.mxfp4 import dequantize_mxfp4
 from nvfp4_megamoe.kernels.nvfp4 import BLOCK, dequantize_nvfp4
 from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
@@ -20,8 +21,8 @@ from nvfp4_megamoe.runtime.format import alpha_shape, fused_expert_names
 
 from .safetensors_header import DTYPES
 from .stats import ErrorStats
-from .transforms import (KernelMatrix, ct_alpha, ct_alpha_is_exact, ct_nvfp4_forward, dequantize_ct_nvfp4, dequantize_fused,
-                         fp8_forward, mxfp4_forward, nvfp4_forward)
+from .transforms import (KernelMatrix, ct_alpha, ct_alpha_is_exact, ct_nvfp4_forward, dequantize_ct_nvfp4, fp8_forward,
+                         measure_error, mxfp4_forward, nvfp4_forward)
 
 # Transform chains as recorded in the manifest, per source format.
 CHAINS = {
@@ -155,8 +156,10 @@ class FusedMatrices:
     def items(self) -> int:
         return len(self.members)
 
-    def convert_item(self, src: Reader, item: list[dict[str, str]]) -> tuple[KernelMatrix, list[torch.Tensor] | None]:
-        """Forward transform of one item; also returns float sources when the result may be inexact."""
+    def convert_item(self, src: Reader, item: list[dict[str, str]]
+                     ) -> tuple[KernelMatrix, list[torch.Tensor] | list[ValueHistogram] | None]:
+        """Forward transform of one item; also returns, when the result may be inexact, what its error is
+        measured against (:func:`~.transforms.measure_error`)."""
         if self.fmt == "mxfp4":
             w = [src.read(p["weight"]) for p in item]
             s = [src.read(p["scale"]) for p in item]
@@ -191,8 +194,7 @@ class FusedMatrices:
             self.inexact += m.inexact_blocks
             if ref is not None:
                 self.measured = True
-                for j, rows, approx in dequantize_fused(m, parts):
-                    self.stats.update(ref[j][rows], approx)
+                measure_error(self.stats, m, ref)
             sink.write(self.weight.name, e * w_bytes, m.packed)
             sink.write(self.scale.name, e * s_bytes, m.scales)
             alphas = torch.tensor(m.alphas[: self.alphas_per_item], dtype=torch.float32)
