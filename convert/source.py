@@ -91,15 +91,26 @@ def read_json(path: Path, what: str) -> dict:
     return obj
 
 
-# Bytes that are NaN in each 8-bit float format (E4M3fn: S.1111.111; E8M0: 0xFF).
+# 8-bit float formats whose bytes of magnitude (byte & 0x7F) from this value up are NaN or Inf
+# (E4M3fn: S.1111.111; E5M2: S.11111.xx). In E8M0 only the byte 0xFF is (NaN).
+_NAN_MAGNITUDE = {"F8_E4M3": 0x7F, "F8_E5M2": 0x7C}
+
+
 def _bad_values(t: torch.Tensor, dtype: str) -> torch.Tensor | None:
-    """Boolean mask of values a checkpoint must not hold, or None for dtypes with no such values."""
+    """Boolean mask of values a checkpoint must not hold, or None when it holds none.
+
+    8-bit formats are screened first by two max reductions, which need no temporaries and are
+    exact: a positive byte of magnitude >= m is a signed byte >= m, a negative one an unsigned
+    byte >= m | 0x80. The mask is formed only when something is there to report.
+    """
     if dtype == "F8_E8M0":
-        return t.view(torch.uint8) == 0xFF
-    if dtype == "F8_E4M3":
-        return (t.view(torch.uint8) & 0x7F) == 0x7F
-    if dtype == "F8_E5M2":
-        return (t.view(torch.uint8) & 0x7C) == 0x7C
+        b = t.view(torch.uint8)
+        return b == 0xFF if b.numel() and int(b.max()) == 0xFF else None
+    if dtype in _NAN_MAGNITUDE:
+        m, b = _NAN_MAGNITUDE[dtype], t.view(torch.uint8)
+        if not b.numel() or (int(b.view(torch.int8).max()) < m and int(b.max()) < m | 0x80):
+            return None
+        return (b & 0x7F) >= m
     if dtype in ("F64", "F32", "F16", "BF16"):
         return ~torch.isfinite(t)
     return None

@@ -24,6 +24,8 @@ from click.testing import CliRunner
 
 from nvfp4_megamoe.convert.cli import main
 from nvfp4_megamoe.convert.safetensors_header import read_header
+from nvfp4_megamoe.convert.errors import SourceError
+from nvfp4_megamoe.convert.source import check_values
 from nvfp4_megamoe.convert.synth import write_synthetic
 
 INDEX = "model.safetensors.index.json"
@@ -142,6 +144,18 @@ def test_nan_and_inf_found_while_converting(pristine, tmp_path, variant, tensor,
     msg = _refused(src, out, tensor, what, shard.name, "expected finite values")
     assert out.exists()  # found while converting, after the output folder was made ...
     assert not list(out.glob(".*.partial"))  # ... and unfinished shards were removed
+
+
+@pytest.mark.parametrize("dtype, is_bad", [("F8_E4M3", lambda b: (b & 0x7F) == 0x7F), ("F8_E5M2", lambda b: (b & 0x7C) == 0x7C),
+                                           ("F8_E8M0", lambda b: b == 0xFF)])
+def test_nan_screen_agrees_with_the_format_on_every_byte(dtype, is_bad):
+    for byte in range(256):
+        data = torch.tensor([0x00, byte, 0x01], dtype=torch.uint8)
+        if is_bad(byte):
+            with pytest.raises(SourceError, match="at flat index 1"):
+                check_values("t", "f", dtype, data)
+        else:
+            check_values("t", "f", dtype, data)
 
 
 def test_full_disk_is_reported_as_efbig(src, tmp_path):
