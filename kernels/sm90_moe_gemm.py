@@ -69,15 +69,15 @@ class Sm90Nvfp4GroupedGemm:
             their own dependent start early. Only for the MoE chain routing -> L1 -> L2 (``sm90_moe``).
         pdl_prefetch: with ``pdl``, ``"scatter"`` also asks the L2 for the rest of its weight slice
             before waiting, so the weights stream in while L1 finishes.
-        stages: k-tiles of weight and scale loads in flight through a shared-memory ring (``cp.async``:
-            each thread copies and later reads back only its own slots, so no barrier is needed), which
-            keeps more bytes in flight than the register pipeline can; 0: the register pipeline (``depth``).
+        k_warps: warps sharing each row group's K inside the CTA (their partial sums meet in shared
+            memory before the epilogue). Decode is bound by each warp's dependent chain of loads and
+            decodes when few tiles exist (T = 1: 6 experts); this puts more warps on the same bytes.
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
                  warps: int = 4, row_tiles: int = 1, depth: int = 4, b_depth: int | None = None,
                  split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
-                 pdl_prefetch: bool = False, stages: int = 0):
+                 pdl_prefetch: bool = False, k_warps: int = 1):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -88,7 +88,11 @@ class Sm90Nvfp4GroupedGemm:
         self.warps, self.row_tiles = warps, row_tiles
         self.bm = warps * 16 * row_tiles
         self.split_k = split_k if mode == "scatter" and (k // K_TILE) % split_k == 0 else 1
-        self.n_kt = k // K_TILE // self.split_k  # k-tiles per CTA
+        if (k // K_TILE // self.split_k) % k_warps:
+            raise ValueError(f"k_warps={k_warps} must divide the {k // K_TILE // self.split_k} k-tiles of a CTA")
+        self.k_warps = k_warps
+        self.threads = warps * k_warps * 32
+        self.n_kt = k // K_TILE // self.split_k // k_warps  # k-tiles per warp
         self.depth = max(d for d in (1, 2, 4, depth) if d <= depth and self.n_kt % d == 0)
         if m % self.bm:
             raise ValueError(f"M={m} must be a multiple of the CTA's {self.bm} rows")
@@ -101,25 +105,22 @@ class Sm90Nvfp4GroupedGemm:
         self.l2_prefetch = l2_prefetch
         self.pdl = pdl and mode != "store"
         self.pdl_prefetch = pdl_prefetch and self.pdl and mode == "scatter"
-        if stages == 1 or stages < 0:
-            raise ValueError(f"stages must be 0 (register pipeline) or >= 2, got {stages}")
-        self.stages = stages
-        self.stage_w_bytes = 2 * self.row_tiles * self.warps * 32 * 16  # per stage: 16 B per row per thread ...
-        self.stage_bytes = self.stage_w_bytes + 2 * self.row_tiles * self.warps * 32 * 4  # ... and 4 scale bytes
-        self.smem_bytes = stages * self.stage_bytes
         self.scale_bytes = swizzled_nbytes(m, k // 16)  # per expert
         self.kb4 = math.ceil(k // 16 / 4)  # 512-byte scale atoms per 128 rows
         self.epi_scale = float(2 ** ptx.EPILOGUE_LOG2)
         # activations ride the register pipeline too (two k-tiles ahead) when they are few
         if b_depth is None:
             b_depth = 2 if self.nb == 1 else 0
-        if b_depth and (self.depth % b_depth or self.n_kt % b_depth):
+        if b_depth and self.depth % b_depth:
             b_depth = 0
         self.b_depth = b_depth
+        # partial sums of the warps with k-part >= 1, one float per (k-part, warp, accumulator, lane)
+        self.red_bytes = (k_warps - 1) * warps * row_tiles * self.nb * 4 * 32 * 4
 
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
-                self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch, self.stages)
+                self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
+                self.k_warps)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -130,7 +131,7 @@ class Sm90Nvfp4GroupedGemm:
         else:
             n_tiles = mTiles.shape[0]
         self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
-            grid=[self.m // self.bm, n_tiles, self.split_k], block=[self.warps * 32, 1, 1], smem=self.smem_bytes,
+            grid=[self.m // self.bm, n_tiles, self.split_k], block=[self.threads, 1, 1], smem=self.red_bytes,
             stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
@@ -144,19 +145,20 @@ class Sm90Nvfp4GroupedGemm:
             gx, gy, _ = cute.arch.grid_dim()
             n16 = mZero.shape[0] * mZero.shape[1] // 4
             zbase = mZero.iterator.toint()
-            for q in cutlass.range((by * gx + bx) * (self.warps * 32) + tidx, n16, gx * gy * (self.warps * 32), unroll=1):
+            for q in cutlass.range((by * gx + bx) * self.threads + tidx, n16, gx * gy * self.threads, unroll=1):
                 ptx.st_global_v4_zero(zbase + Int64(q) * 16)
         if const_expr(self.pdl and self.mode == "swiglu"):
             cute.arch.griddepcontrol_wait()              # the routing's tiles are complete from here
             cute.arch.griddepcontrol_launch_dependents()
-        warp = tidx // 32
+        warp = (tidx // 32) % self.warps
+        kpart = tidx // 32 // self.warps
         lane = tidx % 32
         g = lane // 4
         c = lane % 4
-        s_ring = Int32(0)
-        if const_expr(self.stages > 0):
-            s_ring = cutlass.memory.SmemAllocator().allocate_array(cutlass.Int8, self.smem_bytes,
-                                                                   byte_alignment=16).toint()
+        s_red = Int32(0)
+        if const_expr(self.k_warps > 1):
+            s_red = cutlass.memory.SmemAllocator().allocate_array(cutlass.Int8, self.red_bytes,
+                                                                  byte_alignment=16).toint()
 
         live = Int32(1)
         expert = Int32(0)
@@ -173,13 +175,13 @@ class Sm90Nvfp4GroupedGemm:
                 begin = mTiles[by, 1]
                 end = mTiles[by, 2]
         if live != 0:
-            self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx, bz * self.n_kt,
-                      warp, g, c, s_ring)
+            self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx,
+                      (bz * self.k_warps + kpart) * self.n_kt, warp, g, c, kpart, s_red)
 
     @cute.jit
     def tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,
              mRW: cute.Tensor, mOut: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32, bx: Int32,
-             kt0: Int32, warp: Int32, g: Int32, c: Int32, s_ring: Int32):
+             kt0: Int32, warp: Int32, g: Int32, c: Int32, kpart: Int32, s_red: Int32):
         k, m = self.k, self.m
         row_base = bx * self.bm + warp * (16 * self.row_tiles)
         e64 = Int64(expert)
@@ -205,9 +207,8 @@ class Sm90Nvfp4GroupedGemm:
                 brow = mTok[brow]
             b_addr[nb] = x_base + Int64(brow) * (k * 2)
 
-        # --- weight pipeline: registers (depth D) or this thread's slots of a shared ring (S stages) ---
+        # --- register pipeline of weight words and scale pairs ---
         D = self.depth
-        S = self.stages
         n_kt = self.n_kt
         wbuf = cute.make_rmem_tensor((D, self.row_tiles, 2, 4), Int32)
         sbuf = cute.make_rmem_tensor((D, self.row_tiles, 2), Int32)
@@ -216,29 +217,21 @@ class Sm90Nvfp4GroupedGemm:
         DB = self.b_depth
         xbuf = cute.make_rmem_tensor((max(DB, 1), self.nb, 16), Int32)
         kt_last = kt0 + n_kt - 1
-        tid = warp * 32 + g * 4 + c
-        if const_expr(S > 0):
-            for j in cutlass.range_constexpr(S):
-                if const_expr(j < n_kt):
-                    self.copy_a(s_ring, j, tid, a_addr, s_addr, c, kt0 + j)
-                cute.arch.cp_async_commit_group()
-        else:
-            for d in cutlass.range_constexpr(D):
-                self.load_a(wbuf, sbuf, a_addr, s_addr, d, kt0 + d)
+        for d in cutlass.range_constexpr(D):
+            self.load_a(wbuf, sbuf, a_addr, s_addr, d, kt0 + d)
         if const_expr(self.pdl_prefetch):
             if c == 0:  # one lane per row: the rest of the row's slice, a 128-byte line per two k-tiles
                 for mt in cutlass.range_constexpr(self.row_tiles):
                     for h in cutlass.range_constexpr(2):
-                        for j in cutlass.range((kt0 + max(D, S)) // 2, (kt0 + n_kt) // 2, unroll=1):
+                        for j in cutlass.range((kt0 + D) // 2, (kt0 + n_kt) // 2, unroll=1):
                             ptx.prefetch_l2(a_addr[mt, h] + Int64(j * 128))
         if const_expr(self.pdl and self.mode == "scatter"):
             cute.arch.griddepcontrol_wait()  # L1's h (the B operand) is complete from here
         for d in cutlass.range_constexpr(DB):
             self.load_b(xbuf, b_addr, d, kt0 + d)
 
-        U = D if S == 0 else max(DB, 1)  # k-tiles per unrolled step: register slots are compile-time indices
-        for kto in cutlass.range(0, n_kt, U, unroll=1):
-            for d in cutlass.range_constexpr(U):
+        for kto in cutlass.range(0, n_kt, D, unroll=1):
+            for d in cutlass.range_constexpr(D):
                 kt = kt0 + kto + d
                 # activations of this k-tile (from the pipeline, or loaded now when there are many)
                 xw = cute.make_rmem_tensor((self.nb, 16), Int32)
@@ -252,32 +245,41 @@ class Sm90Nvfp4GroupedGemm:
                     self.load_b(xbuf, b_addr, d % DB, nxb)
                 else:
                     self.load_b(xw, b_addr, None, kt)
+                # take this stage's weights, refill the slot with k-tile kt + D (clamped: a re-read hits cache)
                 cw = cute.make_rmem_tensor((self.row_tiles, 2, 4), Int32)
                 cs = cute.make_rmem_tensor((self.row_tiles, 2), Int32)
-                if const_expr(S > 0):
-                    # this k-tile's group has landed once at most S - 1 younger groups are pending
-                    slot = (kto + d) % S
-                    cute.arch.cp_async_wait_group(S - 1)
-                    self.take_a(cw, cs, s_ring, slot, tid, c)
-                    self.mma_ktile(cw, cs, xw, acc)
-                    # refill the slot only now: the MMAs above have consumed what was read from it
-                    if kto + d + S < n_kt:
-                        self.copy_a(s_ring, slot, tid, a_addr, s_addr, c, kt + S)
-                    cute.arch.cp_async_commit_group()
-                else:
-                    # take this stage's weights, refill the slot with k-tile kt + D (clamped: a re-read hits cache)
-                    for mt in cutlass.range_constexpr(self.row_tiles):
-                        for h in cutlass.range_constexpr(2):
-                            cs[mt, h] = sbuf[d, mt, h]
-                            for i in cutlass.range_constexpr(4):
-                                cw[mt, h, i] = wbuf[d, mt, h, i]
-                    nxt = kt + D
-                    if nxt > kt_last:
-                        nxt = kt_last
-                    self.load_a(wbuf, sbuf, a_addr, s_addr, d, nxt)
-                    self.mma_ktile(cw, cs, xw, acc)
+                for mt in cutlass.range_constexpr(self.row_tiles):
+                    for h in cutlass.range_constexpr(2):
+                        cs[mt, h] = sbuf[d, mt, h]
+                        for i in cutlass.range_constexpr(4):
+                            cw[mt, h, i] = wbuf[d, mt, h, i]
+                nxt = kt + D
+                if nxt > kt_last:
+                    nxt = kt_last
+                self.load_a(wbuf, sbuf, a_addr, s_addr, d, nxt)
+                self.mma_ktile(cw, cs, xw, acc)
 
-        self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
+        if const_expr(self.k_warps > 1):
+            # k-parts >= 1 hand their partial sums to k-part 0 (lanes adjacent: no bank conflicts)
+            n_acc = self.row_tiles * self.nb * 4
+            lane = g * 4 + c
+            if kpart > 0:
+                for mt in cutlass.range_constexpr(self.row_tiles):
+                    for nb in cutlass.range_constexpr(self.nb):
+                        for i in cutlass.range_constexpr(4):
+                            q = ((kpart - 1) * self.warps + warp) * n_acc + (mt * self.nb + nb) * 4 + i
+                            ptx.st_shared_f32(s_red + (q * 32 + lane) * 4, acc[mt, nb, i])
+            cute.arch.sync_threads()
+            if kpart == 0:
+                for p in cutlass.range_constexpr(1, self.k_warps):
+                    for mt in cutlass.range_constexpr(self.row_tiles):
+                        for nb in cutlass.range_constexpr(self.nb):
+                            for i in cutlass.range_constexpr(4):
+                                q = ((p - 1) * self.warps + warp) * n_acc + (mt * self.nb + nb) * 4 + i
+                                acc[mt, nb, i] = acc[mt, nb, i] + ptx.ld_shared_f32(s_red + (q * 32 + lane) * 4)
+                self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
+        else:
+            self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
 
     @cute.jit
     def load_a(self, wbuf: cute.Tensor, sbuf: cute.Tensor, a_addr: cute.Tensor, s_addr: cute.Tensor,
@@ -288,32 +290,6 @@ class Sm90Nvfp4GroupedGemm:
                 for i in cutlass.range_constexpr(4):
                     wbuf[slot, mt, h, i] = v[i]
                 sbuf[slot, mt, h] = ptx.ld_global_u16(s_addr[mt, h] + Int64(kt * 1024))
-
-    @cute.jit
-    def copy_a(self, s_ring: Int32, slot: Int32, tid: Int32, a_addr: cute.Tensor, s_addr: cute.Tensor, c: Int32,
-               kt: Int32):
-        """``cp.async`` k-tile ``kt`` of this thread's rows (16 weight bytes, the 4-byte word holding its
-        scale pair) into its slots of ring stage ``slot``."""
-        base = s_ring + slot * self.stage_bytes
-        threads = self.warps * 32
-        for mt in cutlass.range_constexpr(self.row_tiles):
-            for h in cutlass.range_constexpr(2):
-                q = (mt * 2 + h) * threads + tid
-                ptx.cp_async_16(base + q * 16, a_addr[mt, h] + Int64(kt * 64), Int32(16))
-                ptx.cp_async_4(base + self.stage_w_bytes + q * 4, s_addr[mt, h] - Int64((c % 2) * 2) + Int64(kt * 1024))
-
-    @cute.jit
-    def take_a(self, cw: cute.Tensor, cs: cute.Tensor, s_ring: Int32, slot: Int32, tid: Int32, c: Int32):
-        """Read back this thread's weight words and scale pair of ring stage ``slot``."""
-        base = s_ring + slot * self.stage_bytes
-        threads = self.warps * 32
-        for mt in cutlass.range_constexpr(self.row_tiles):
-            for h in cutlass.range_constexpr(2):
-                q = (mt * 2 + h) * threads + tid
-                v = ptx.ld_shared_v4(base + q * 16)
-                for i in cutlass.range_constexpr(4):
-                    cw[mt, h, i] = v[i]
-                cs[mt, h] = ptx.ld_shared_b32(base + self.stage_w_bytes + q * 4) >> ((c % 2) * 16)
 
     @cute.jit
     def load_b(self, xbuf: cute.Tensor, b_addr: cute.Tensor, slot: cutlass.Constexpr, kt: Int32):

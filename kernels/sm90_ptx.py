@@ -266,26 +266,6 @@ def cp_async_16(smem: Int32, gaddr: Int64, src_bytes: Int32, *, loc=None, ip=Non
         "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", has_side_effects=True, loc=loc, ip=ip)
 
 
-def cp_async_4(smem: Int32, gaddr: Int64, *, loc=None, ip=None) -> None:
-    """``cp.async.ca.shared.global`` of 4 bytes (4-aligned both sides)."""
-    llvm.inline_asm(
-        None, [_i32(smem, loc, ip), Int64(gaddr).ir_value(loc=loc, ip=ip)],
-        "cp.async.ca.shared.global [$0], [$1], 4;", "r,l", has_side_effects=True, loc=loc, ip=ip)
-
-
-def ld_shared_v4(smem: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
-    """16 bytes from a 16-aligned shared address."""
-    res = llvm.inline_asm(
-        _struct(4), [_i32(smem, loc, ip)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
-        has_side_effects=True, loc=loc, ip=ip)
-    return _unpack(res, 4, T.i32(), Int32, loc, ip)
-
-
-def ld_shared_b32(smem: Int32, *, loc=None, ip=None) -> Int32:
-    return Int32(llvm.inline_asm(
-        T.i32(), [_i32(smem, loc, ip)], "ld.shared.b32 $0, [$1];", "=r,r", has_side_effects=True, loc=loc, ip=ip))
-
-
 def ldmatrix_x4(smem: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
     """``ldmatrix.sync.aligned.m8n8.x4.shared.b16``: lanes 8i..8i+7 give the row addresses of matrix i."""
     res = llvm.inline_asm(

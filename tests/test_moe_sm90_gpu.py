@@ -85,11 +85,10 @@ TUNED = [
     ("pro", 7, "skewed", {"pdl": True, "l2_prefetch": 256, "l2": {"split_k": 2}}),
     ("flash", 333, "uniform", {"wgmma": True, "wg": {"l2_prefetch": 256, "depth": 4}}),
     ("pro", 4095, "uniform", {"wg": {"l2_prefetch": 256}}),
-    ("flash", 1, "uniform", {"stages": 12}),
-    ("flash", 64, "skewed", {"stages": 16, "pdl": True}),
-    ("pro", 7, "skewed", {"stages": 8, "pdl": True, "pdl_prefetch": True, "l2": {"split_k": 2}}),
-    ("small", 130, "skewed", {"stages": 6, "row_tiles": 2}),
-    ("small", 17, "uniform", {"stages": 3}),
+    ("flash", 1, "uniform", {"k_warps": 2, "depth": 2}),
+    ("flash", 64, "skewed", {"k_warps": 4, "row_tiles": 2, "depth": 2, "pdl": True}),
+    ("pro", 7, "skewed", {"k_warps": 2, "pdl": True, "pdl_prefetch": True, "l2": {"split_k": 2}}),
+    ("small", 130, "skewed", {"k_warps": 2, "row_tiles": 2}),
 ]
 
 
