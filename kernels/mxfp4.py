@@ -48,15 +48,18 @@ class CastResult:
     fallback_blocks: int
 
 
+# Magnitude bits of the 16 codes in 8 packed bytes (sign bits 0x8 of each nibble cleared).
+_MAGNITUDE_BITS = 0x7777777777777777
+
+
 def nonzero_blocks(packed: torch.Tensor) -> torch.Tensor:
     """[..., K/2] packed -> bool [..., K/32]: does the 32-block hold a non-zero value?
 
-    A code is zero when its magnitude bits are 0 (+0 or -0), so a block's 16 bytes masked with
-    0x77 are all zero exactly for a zero block; they are read as two 64-bit words.
+    A code is zero when its magnitude bits are 0 (+0 or -0), so a block is zero exactly when its
+    16 bytes, read as two 64-bit words, OR-ed and masked with 0x77..77, are zero.
     """
-    masked = (packed.view(torch.uint8) & 0x77).contiguous()
-    words = masked.view(torch.int64).reshape(*masked.shape[:-1], -1, 2)
-    return (words[..., 0] | words[..., 1]) != 0
+    words = packed.view(torch.uint8).contiguous().view(torch.int64).reshape(*packed.shape[:-1], -1, 2)
+    return ((words[..., 0] | words[..., 1]) & _MAGNITUDE_BITS) != 0
 
 
 def shared_exponent(scales: list[torch.Tensor], nonzero: list[torch.Tensor]) -> int:
@@ -64,29 +67,44 @@ def shared_exponent(scales: list[torch.Tensor], nonzero: list[torch.Tensor]) -> 
     the matrices (0 if all are zero)."""
     k_max = None
     for s, nz in zip(scales, nonzero):
-        if (s.view(torch.uint8) == E8M0_NAN).any():
+        b = s.view(torch.uint8)
+        if b.numel() and int(b.max()) == E8M0_NAN:
             raise ValueError("E8M0 scale byte 0xFF (NaN) cannot be cast")
         if nz.any():
-            top = int(e8m0_exponent(s)[nz].max())
+            top = int((b * nz).max()) - 127  # E8M0 bytes order like their exponents; zero blocks count as byte 0
             k_max = top if k_max is None else max(k_max, top)
     return 0 if k_max is None else k_max - E4M3_POW2_MAX
+
+
+# E4M3 bytes of 2**j, j from E4M3_POW2_MIN to E4M3_POW2_MAX.
+_POW2_E4M3 = pow2_e4m3(torch.arange(E4M3_POW2_MIN, E4M3_POW2_MAX + 1))
+
+
+def _scale_pairs(m: int) -> torch.Tensor:
+    """int16 [256]: E8M0 byte (k = byte - 127) -> the E4M3 byte of 2**clamp(k - m, -9, 8), twice (one per 16-block)."""
+    rel = (torch.arange(256) - 127 - m).clamp(E4M3_POW2_MIN, E4M3_POW2_MAX) - E4M3_POW2_MIN
+    b = _POW2_E4M3[rel].to(torch.int16)
+    return b | (b << 8)
 
 
 def mxfp4_to_nvfp4(packed: list[torch.Tensor], scales: list[torch.Tensor]) -> CastResult:
     """Cast MXFP4 matrices (e.g. [w1, w3]) onto one NVFP4 global scale; see the module docstring."""
     nonzero = [nonzero_blocks(p) for p in packed]
     m = shared_exponent(scales, nonzero)
+    pairs = _scale_pairs(m)
     out_packed, out_scales, fallbacks = [], [], 0
     for p, s, nz in zip(packed, scales, nonzero):
-        p = p.view(torch.uint8)
-        rel = e8m0_exponent(s) - m
-        out_of_range = nz & (rel < E4M3_POW2_MIN)
-        sb = pow2_e4m3(rel.clamp(E4M3_POW2_MIN, E4M3_POW2_MAX))
-        if out_of_range.any():
-            fallbacks += int(out_of_range.sum())
-            p = requantize_blocks(p, rel, out_of_range)
+        p, b = p.view(torch.uint8), s.view(torch.uint8)
+        # Each E8M0 byte becomes its two 16-block scale bytes by one int16 lookup.
+        sb = pairs.index_select(0, b.reshape(-1).int()).view(torch.uint8).reshape(*b.shape[:-1], 2 * b.shape[-1])
+        if b.numel() and int(b.min()) - 127 - m < E4M3_POW2_MIN:  # out-of-range blocks possible: find them
+            rel = e8m0_exponent(b) - m
+            out_of_range = nz & (rel < E4M3_POW2_MIN)
+            if out_of_range.any():
+                fallbacks += int(out_of_range.sum())
+                p = requantize_blocks(p, rel, out_of_range)
         out_packed.append(p)
-        out_scales.append(sb.repeat_interleave(2, dim=-1))
+        out_scales.append(sb)
     alpha = float(torch.ldexp(torch.tensor(1.0), torch.tensor(m)))
     return CastResult(out_packed, out_scales, alpha, fallbacks)
 

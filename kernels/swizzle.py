@@ -39,11 +39,15 @@ def swizzle_block_scales(scales: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"swizzle_block_scales expects [M, Kb], got shape {tuple(scales.shape)}")
     m, kb = scales.shape
     mp, kbp = swizzled_shape(m, kb)
-    padded = torch.zeros((mp, kbp), dtype=scales.dtype, device=scales.device)
-    padded[:m, :kb] = scales
-    # (row block, row//32 % 4, row % 32, col block, col % 4) -> (row block, col block, row%32, row//32%4, col%4)
-    tiles = padded.view(mp // ROW_ATOM, 4, 32, kbp // COL_ATOM, COL_ATOM)
-    return tiles.permute(0, 3, 2, 1, 4).reshape(-1)
+    if (mp, kbp) == (m, kb) and scales.is_contiguous() and scales.storage_offset() % 4 == 0:
+        padded = scales
+    else:
+        padded = torch.zeros((mp, kbp), dtype=scales.dtype, device=scales.device)
+        padded[:m, :kb] = scales
+    # (row block, row//32 % 4, row % 32, col block, col % 4) -> (row block, col block, row%32, row//32%4, col%4);
+    # the 4 bytes of a row's column group move together, so they move as one int32.
+    tiles = padded.view(torch.int32).view(mp // ROW_ATOM, 4, 32, kbp // COL_ATOM)
+    return tiles.permute(0, 3, 2, 1).reshape(-1).view(scales.dtype)
 
 
 def unswizzle_block_scales(flat: torch.Tensor, rows: int, scale_cols: int) -> torch.Tensor:
