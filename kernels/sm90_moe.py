@@ -41,6 +41,17 @@ def pick_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
     return TILE_TOKEN_CHOICES[-1]
 
 
+def pick_row_tiles(tokens: int, top_k: int, experts: int, rows: int, sms: int) -> int:
+    """Row tiles per warp of the decode kernels: 2 (128 weight rows per CTA, 2 k-tiles in flight) once L1
+    has at least two such CTAs per SM for the experts a call can touch, else 1 (64 rows, 4 k-tiles).
+
+    Two row tiles reuse every activation fragment for twice the weight rows (fewer instructions per weight
+    byte); below two CTAs per SM the smaller CTAs keep more SMs streaming (V4-Flash at T = 1: 192 vs 384
+    CTAs). Measured on an H200: ``docs/benchmarks.md``."""
+    touched = min(tokens * top_k, experts)
+    return 2 if touched * rows // 128 >= 2 * sms else 1
+
+
 def use_wgmma(tokens: int, top_k: int, experts: int, min_mean: float = WGMMA_MIN_MEAN) -> bool:
     """The prefill kernels (WGMMA, activations staged in shared memory) from ``min_mean`` pairs per expert."""
     return tokens * top_k / max(experts, 1) >= min_mean
@@ -82,10 +93,13 @@ class Sm90NvFp4MoE:
         self.tiles = torch.zeros(max_tiles_for(pairs, experts, TILE_TOKEN_CHOICES[0]), 3, dtype=torch.int32, device=dev)
         self.num_tiles = torch.zeros(1, dtype=torch.int32, device=dev)
         self.hbuf = torch.empty(pairs, intermediate, dtype=torch.bfloat16, device=dev)
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
 
-    def kernels(self, tile_tokens: int, wgmma: bool = False) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
-        """The three kernel objects used for a token tile size (``wgmma``: the prefill GEMMs)."""
-        tuning = dict(getattr(self, "tuning", {}))
+    def kernels(self, tile_tokens: int, wgmma: bool = False, row_tiles: int = 1
+                ) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
+        """The three kernel objects used for a token tile size (``wgmma``: the prefill GEMMs; ``row_tiles``:
+        :func:`pick_row_tiles`, which explicit ``tuning`` keys override)."""
+        tuning = {**({"row_tiles": 2, "depth": 2} if row_tiles == 2 else {}), **getattr(self, "tuning", {})}
         l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
         tuning.pop("wgmma", None), tuning.pop("wgmma_min_mean", None)
         wg_extra = tuning.pop("wg", {})
@@ -139,7 +153,10 @@ class Sm90NvFp4MoE:
         if wg is None:
             wg = use_wgmma(t, self.k, self.e, tuning.get("wgmma_min_mean", WGMMA_MIN_MEAN))
         bn = pick_wgmma_tile_tokens(t, self.k, self.e) if wg else pick_tile_tokens(t, self.k, self.e)
-        routing, l1, l2 = self.kernels(bn, wg)
+        rt = 1
+        if not wg and self.h % 128 == 0 and (2 * self.i) % 128 == 0:
+            rt = pick_row_tiles(t, self.k, self.e, 2 * self.i, self.sms)
+        routing, l1, l2 = self.kernels(bn, wg, rt)
         tiles = self.tiles[:max_tiles_for(pairs, self.e, bn)]
         token_of, weight_of, rank = self.token_of[:pairs], self.weight_of[:pairs], self.rank[:pairs]
         hbuf = self.hbuf[:pairs]
