@@ -57,6 +57,13 @@ def use_wgmma(tokens: int, top_k: int, experts: int, min_mean: float = WGMMA_MIN
     return tokens * top_k / max(experts, 1) >= min_mean
 
 
+def wgmma_shape(tile_tokens: int) -> dict:
+    """CTA shape of the WGMMA kernels for a token tile: one warpgroup (64 weight rows, 4 k-tiles of weights
+    in flight) up to N = 96, where the smaller CTAs let two share an SM; two warpgroups above, where the
+    accumulators fill the registers and one 128-row CTA reuses each staged activation tile twice as much."""
+    return {"warpgroups": 1, "depth": 4} if tile_tokens <= 96 else {}
+
+
 def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
     """Token tile N of the WGMMA kernels: the smallest of 32, 48, .., 128 that holds 1.25x the mean pairs per expert."""
     mean = tokens * top_k / max(experts, 1)
@@ -102,7 +109,7 @@ class Sm90NvFp4MoE:
         tuning = {**({"row_tiles": 2, "depth": 2} if row_tiles == 2 else {}), **getattr(self, "tuning", {})}
         l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
         tuning.pop("wgmma", None), tuning.pop("wgmma_min_mean", None)
-        wg_extra = tuning.pop("wg", {})
+        wg_extra = {**wgmma_shape(tile_tokens), **tuning.pop("wg", {})}
         if wgmma:
             return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
                     Sm90Nvfp4WgmmaGemm(m=2 * self.i, k=self.h, mode="swiglu", tile_tokens=tile_tokens,

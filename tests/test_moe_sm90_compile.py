@@ -79,10 +79,11 @@ def test_dense_linear_compiles_sm90a(out_dtype):
 
 
 def test_wgmma_heuristics_and_bad_config():
-    from nvfp4_megamoe.kernels.sm90_moe import pick_row_tiles, pick_wgmma_tile_tokens, use_wgmma
+    from nvfp4_megamoe.kernels.sm90_moe import pick_row_tiles, pick_wgmma_tile_tokens, use_wgmma, wgmma_shape
     # two row tiles once L1 has two 128-row CTAs per SM: not V4-Flash at T = 1 (6 x 32 CTAs), V4-Pro at T = 1
     assert pick_row_tiles(1, 6, 256, 4096, 132) == 1 and pick_row_tiles(4, 6, 256, 4096, 132) == 2
     assert pick_row_tiles(1, 6, 384, 6144, 132) == 2
+    assert wgmma_shape(32) == {"warpgroups": 1, "depth": 4} and wgmma_shape(128) == {}
     from nvfp4_megamoe.kernels.sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm
     assert not use_wgmma(64, 6, 256) and use_wgmma(4096, 6, 256)
     assert pick_wgmma_tile_tokens(1024, 6, 256) == 32 and pick_wgmma_tile_tokens(4096, 6, 256) == 128
