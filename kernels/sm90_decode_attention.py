@@ -10,7 +10,9 @@ then ``indices[b, 0..K-1]`` (or ``0..N-1`` for HCA), cut into chunks of 64 entri
 ``(splits, H / 64, B)``; split ``s`` walks chunks ``[s*cps, (s+1)*cps)`` with ``cps =
 ceil(chunks / splits)``. With one split the CTA normalises (sink included) and writes BF16 ``out``;
 otherwise it writes its unnormalised float32 ``O`` and ``(m, l)`` and a second kernel
-(:class:`Sm90DecodeAttentionCombine`) merges the splits and adds the sink.
+(:class:`Sm90DecodeAttentionCombine`) merges the splits and adds the sink. The combine is launched with
+programmatic dependent launch: it is resident and waiting (``griddepcontrol.wait``) while the split kernel
+runs, which hides its launch latency, the larger part of a batch-1 step's cost.
 
 CTA (8 warps, 256 threads, one per SM: 201.5 KB of shared memory):
 * ``cp.async`` gathers: Q block [64 x 512] once, then KV chunks [64 x 512] into two buffers (the next
@@ -114,6 +116,7 @@ class Sm90DecodeAttention:
                mML: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         split, hb, b = cute.arch.block_idx()
+        cute.arch.griddepcontrol_launch_dependents()  # the combine (PDL) may take its SM slots now; it waits for us
         n_splits = mML.shape[2]
         n_heads = mQ.shape[1]
         warp = tidx // 32
@@ -392,7 +395,7 @@ class Sm90DecodeAttentionCombine:
     @cute.jit
     def __call__(self, mOpart: cute.Tensor, mML: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor, stream):
         self.kernel(mOpart, mML, mSink, mOut).launch(
-            grid=[mOut.shape[1], mOut.shape[0], 1], block=[128 * self.groups, 1, 1], stream=stream)
+            grid=[mOut.shape[1], mOut.shape[0], 1], block=[128 * self.groups, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mOpart: cute.Tensor, mML: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor):
@@ -400,6 +403,8 @@ class Sm90DecodeAttentionCombine:
         COMBINE_THREADS = 128 * COMBINE_GROUPS
         tidx, _, _ = cute.arch.thread_idx()
         h, b, _ = cute.arch.block_idx()
+        # launched with PDL while the split kernel runs: its partials are complete (and flushed) from here
+        cute.arch.griddepcontrol_wait()
         lane = tidx % 32
         warp = tidx // 32
         n_warps = COMBINE_THREADS // 32
