@@ -69,15 +69,12 @@ class Sm90Nvfp4GroupedGemm:
             their own dependent start early. Only for the MoE chain routing -> L1 -> L2 (``sm90_moe``).
         pdl_prefetch: with ``pdl``, ``"scatter"`` also asks the L2 for the rest of its weight slice
             before waiting, so the weights stream in while L1 finishes.
-        k_warps: warps sharing each row group's K inside the CTA (their partial sums meet in shared
-            memory before the epilogue). Decode is bound by each warp's dependent chain of loads and
-            decodes when few tiles exist (T = 1: 6 experts); this puts more warps on the same bytes.
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
                  warps: int = 4, row_tiles: int = 1, depth: int = 4, b_depth: int | None = None,
                  split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
-                 pdl_prefetch: bool = False, k_warps: int = 1):
+                 pdl_prefetch: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -88,11 +85,8 @@ class Sm90Nvfp4GroupedGemm:
         self.warps, self.row_tiles = warps, row_tiles
         self.bm = warps * 16 * row_tiles
         self.split_k = split_k if mode == "scatter" and (k // K_TILE) % split_k == 0 else 1
-        if (k // K_TILE // self.split_k) % k_warps:
-            raise ValueError(f"k_warps={k_warps} must divide the {k // K_TILE // self.split_k} k-tiles of a CTA")
-        self.k_warps = k_warps
-        self.threads = warps * k_warps * 32
-        self.n_kt = k // K_TILE // self.split_k // k_warps  # k-tiles per warp
+        self.threads = warps * 32
+        self.n_kt = k // K_TILE // self.split_k  # k-tiles per CTA
         self.depth = max(d for d in (1, 2, 4, depth) if d <= depth and self.n_kt % d == 0)
         if m % self.bm:
             raise ValueError(f"M={m} must be a multiple of the CTA's {self.bm} rows")
@@ -114,13 +108,10 @@ class Sm90Nvfp4GroupedGemm:
         if b_depth and self.depth % b_depth:
             b_depth = 0
         self.b_depth = b_depth
-        # partial sums of the warps with k-part >= 1, one float per (k-part, warp, accumulator, lane)
-        self.red_bytes = (k_warps - 1) * warps * row_tiles * self.nb * 4 * 32 * 4
 
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
-                self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
-                self.k_warps)
+                self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -131,8 +122,8 @@ class Sm90Nvfp4GroupedGemm:
         else:
             n_tiles = mTiles.shape[0]
         self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
-            grid=[self.m // self.bm, n_tiles, self.split_k], block=[self.threads, 1, 1], smem=self.red_bytes,
-            stream=stream, use_pdl=self.pdl)
+            grid=[self.m // self.bm, n_tiles, self.split_k], block=[self.threads, 1, 1], stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -150,15 +141,10 @@ class Sm90Nvfp4GroupedGemm:
         if const_expr(self.pdl and self.mode == "swiglu"):
             cute.arch.griddepcontrol_wait()              # the routing's tiles are complete from here
             cute.arch.griddepcontrol_launch_dependents()
-        warp = (tidx // 32) % self.warps
-        kpart = tidx // 32 // self.warps
+        warp = tidx // 32
         lane = tidx % 32
         g = lane // 4
         c = lane % 4
-        s_red = Int32(0)
-        if const_expr(self.k_warps > 1):
-            s_red = cutlass.memory.SmemAllocator().allocate_array(cutlass.Int8, self.red_bytes,
-                                                                  byte_alignment=16).toint()
 
         live = Int32(1)
         expert = Int32(0)
@@ -175,13 +161,13 @@ class Sm90Nvfp4GroupedGemm:
                 begin = mTiles[by, 1]
                 end = mTiles[by, 2]
         if live != 0:
-            self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx,
-                      (bz * self.k_warps + kpart) * self.n_kt, warp, g, c, kpart, s_red)
+            self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx, bz * self.n_kt,
+                      warp, g, c)
 
     @cute.jit
     def tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,
              mRW: cute.Tensor, mOut: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32, bx: Int32,
-             kt0: Int32, warp: Int32, g: Int32, c: Int32, kpart: Int32, s_red: Int32):
+             kt0: Int32, warp: Int32, g: Int32, c: Int32):
         k, m = self.k, self.m
         row_base = bx * self.bm + warp * (16 * self.row_tiles)
         e64 = Int64(expert)
@@ -259,27 +245,7 @@ class Sm90Nvfp4GroupedGemm:
                 self.load_a(wbuf, sbuf, a_addr, s_addr, d, nxt)
                 self.mma_ktile(cw, cs, xw, acc)
 
-        if const_expr(self.k_warps > 1):
-            # k-parts >= 1 hand their partial sums to k-part 0 (lanes adjacent: no bank conflicts)
-            n_acc = self.row_tiles * self.nb * 4
-            lane = g * 4 + c
-            if kpart > 0:
-                for mt in cutlass.range_constexpr(self.row_tiles):
-                    for nb in cutlass.range_constexpr(self.nb):
-                        for i in cutlass.range_constexpr(4):
-                            q = ((kpart - 1) * self.warps + warp) * n_acc + (mt * self.nb + nb) * 4 + i
-                            ptx.st_shared_f32(s_red + (q * 32 + lane) * 4, acc[mt, nb, i])
-            cute.arch.sync_threads()
-            if kpart == 0:
-                for p in cutlass.range_constexpr(1, self.k_warps):
-                    for mt in cutlass.range_constexpr(self.row_tiles):
-                        for nb in cutlass.range_constexpr(self.nb):
-                            for i in cutlass.range_constexpr(4):
-                                q = ((p - 1) * self.warps + warp) * n_acc + (mt * self.nb + nb) * 4 + i
-                                acc[mt, nb, i] = acc[mt, nb, i] + ptx.ld_shared_f32(s_red + (q * 32 + lane) * 4)
-                self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
-        else:
-            self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
+        self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
 
     @cute.jit
     def load_a(self, wbuf: cute.Tensor, sbuf: cute.Tensor, a_addr: cute.Tensor, s_addr: cute.Tensor,

@@ -42,8 +42,8 @@ PDL = {"pdl": True, "pdl_prefetch": True, "l2_prefetch": 256}
 @pytest.mark.parametrize("model,tile_tokens,wgmma,tuning", [
     ("flash", 8, False, None), ("flash", 64, False, None), ("pro", 8, False, None), ("pro", 64, False, None),
     ("flash", 8, False, PDL), ("pro", 16, False, {"pdl": True, "l2_prefetch": 128, "l2": {"split_k": 2}}),
-    ("flash", 8, False, {"depth": 8, "l2_prefetch": 64}), ("flash", 8, False, {"k_warps": 2, "depth": 2}),
-    ("pro", 16, False, {"k_warps": 4, "row_tiles": 2, "pdl": True, "l2": {"split_k": 2}}),
+    ("flash", 8, False, {"depth": 8, "l2_prefetch": 64}),
+    ("pro", 16, False, {"row_tiles": 2, "depth": 2, "pdl": True, "l2": {"split_k": 2}}),
     ("flash", 32, True, None), ("flash", 80, True, None), ("flash", 128, True, None), ("pro", 96, True, None),
     ("flash", 128, True, {"wg": {"l2_prefetch": 256}})])
 def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma, tuning):
@@ -103,7 +103,5 @@ def test_gemm_rejects_bad_config():
         Sm90Nvfp4GroupedGemm(m=100, k=128, mode="store")
     with pytest.raises(ValueError, match="tile_tokens"):
         Sm90Nvfp4GroupedGemm(m=128, k=128, mode="store", tile_tokens=12)
-    with pytest.raises(ValueError, match="k_warps"):
-        Sm90Nvfp4GroupedGemm(m=128, k=384, mode="store", k_warps=2)
     with pytest.raises(ValueError, match="l2_prefetch"):
         Sm90Nvfp4GroupedGemm(m=128, k=128, mode="store", l2_prefetch=32)

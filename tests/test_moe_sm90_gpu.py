@@ -85,10 +85,9 @@ TUNED = [
     ("pro", 7, "skewed", {"pdl": True, "l2_prefetch": 256, "l2": {"split_k": 2}}),
     ("flash", 333, "uniform", {"wgmma": True, "wg": {"l2_prefetch": 256, "depth": 4}}),
     ("pro", 4095, "uniform", {"wg": {"l2_prefetch": 256}}),
-    ("flash", 1, "uniform", {"k_warps": 2, "depth": 2}),
-    ("flash", 64, "skewed", {"k_warps": 4, "row_tiles": 2, "depth": 2, "pdl": True}),
-    ("pro", 7, "skewed", {"k_warps": 2, "pdl": True, "pdl_prefetch": True, "l2": {"split_k": 2}}),
-    ("small", 130, "skewed", {"k_warps": 2, "row_tiles": 2}),
+    ("flash", 1, "uniform", {"row_tiles": 2, "depth": 2}),
+    ("flash", 64, "skewed", {"row_tiles": 1, "depth": 4, "pdl": True}),
+    ("small", 130, "skewed", {"row_tiles": 2, "pdl": True, "pdl_prefetch": True}),
 ]
 
 
