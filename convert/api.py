@@ -10,8 +10,9 @@ there is this run and keep its verified shards), then execute the plan:
   ahead when the source is not kept, and released when their last unit is done;
 * every source file is hashed once, in a background thread, as soon as it is available (for a
   Hub download the hash is checked against the LFS sha256 the Hub published);
-* each finished output shard is fsynced, renamed, hashed, and recorded in the progress journal
-  (``resume.py``); the index, written last, marks the folder complete.
+* output shards are hashed as they fill; each finished one is fsynced and renamed in the
+  background, then recorded in the progress journal (``resume.py``); the index, written last,
+  marks the folder complete.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import os
 import shutil
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
+import torch
 from tqdm.auto import tqdm
 
 from nvfp4_megamoe import __version__
@@ -198,11 +201,26 @@ def _unit_error(unit, exc: Exception) -> ConvertError:
                        "complete output.")
 
 
+@contextmanager
+def _threads_per_unit(workers: int) -> Iterator[None]:
+    """torch's intra-op threads for the run: the cores shared by the units and the hashing (about one core).
+
+    Units already run in parallel; more torch threads than cores would only contend (idle OpenMP threads
+    spin), so a 2-core machine runs each unit's torch ops on its own thread.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (max(1, workers) + 1)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int, keep_source: bool,
              progress: bool) -> tuple[ShardWriter, dict, int]:
     journal = prep.journal
     # Two hashing threads: one for source files (ahead of the conversion, which it also warms the page
-    # cache for), one for finished output shards (so the journal follows the conversion closely).
+    # cache for), one for output shards as they fill (so a digest is ready when its shard is).
     hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-out")
     source_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-src")
     hashes = SourceHashes(src, journal, source_pool)
@@ -262,6 +280,7 @@ def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int
         pool.shutdown(wait=True)
         if errors:
             raise min(errors, key=lambda e: e[0])[1]
+        writer.close()
         source_files = hashes.result()
         for name in writer.names:
             writer.hashes[name].result()
@@ -304,8 +323,9 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
         prep = prepare_output(out, src, plan, resume)
         if prep.complete is not None:
             return ConvertResult(out, plan, prep.complete, skipped_shards=len(plan.shards))
-        writer, source_files, skipped = _execute(src, plan, out, prep, workers=workers, keep_source=keep_source,
-                                                 progress=progress)
+        with _threads_per_unit(workers):
+            writer, source_files, skipped = _execute(src, plan, out, prep, workers=workers, keep_source=keep_source,
+                                                     progress=progress)
         for name in src.extra_files():
             shutil.copyfile(src.extra_file_path(name), out / name)
         manifest = build_manifest(src, plan, writer, source_files)

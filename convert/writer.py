@@ -4,6 +4,9 @@ Each shard is written under a temporary name (``.NAME.partial``) with its full s
 front (so a full disk fails early, not at the last byte), filled piece by piece at known offsets,
 fsynced and only then renamed to its final name. A folder with partial files and no index never
 looks like a finished conversion.
+
+The sha256 of a shard is computed while it fills (:mod:`.shard_hash`), and a finished shard is
+fsynced and renamed on a thread of its own, so neither holds up the conversion of what follows.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from nvfp4_megamoe.runtime.format import SHARD_METADATA, shard_name
 
 from .errors import OutputError
 from .safetensors_header import encode_header
+from .shard_hash import PrefixHash
 from .units import OutputSpec
 
 COPY_CHUNK = 64 * 1024 * 1024
@@ -66,13 +70,31 @@ def _pwrite_all(fd: int, data: memoryview, pos: int, path: Path) -> None:
         raise _disk_error(exc, path) from None
 
 
+def _copy_all(src_fd: int, start: int, count: int, fd: int, pos: int, path: Path) -> None:
+    done = 0
+    try:
+        while done < count:
+            n = os.copy_file_range(src_fd, fd, min(COPY_CHUNK, count - done), start + done, pos + done)
+            if n == 0:
+                raise OSError(errno.EIO, "source ended early")
+            done += n
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise _disk_error(exc, path) from None
+        while done < count:
+            chunk = os.pread(src_fd, min(COPY_CHUNK, count - done), start + done)
+            _pwrite_all(fd, memoryview(chunk), pos + done, path)
+            done += len(chunk)
+
+
 class ShardWriter:
     """Writes the plan's shards into ``out``; call :meth:`written` as outputs complete.
 
     Thread-safe: units running in parallel write disjoint byte ranges with ``pwrite``. Shards
     named in ``done`` (finished by an earlier run, verified by ``--resume``) are not written
     again: writes to them are dropped. ``on_finish(name, size, sha256_future)`` is called
-    when a shard has been fsynced and renamed to its final name.
+    when a shard has been fsynced and renamed to its final name (on the writer's finishing
+    thread; :meth:`close` returns once every shard is finished, raising what went wrong).
     """
 
     def __init__(self, out: Path, shards: list[list[OutputSpec]], hash_pool: ThreadPoolExecutor,
@@ -83,6 +105,7 @@ class ShardWriter:
         self.layout: list[tuple[bytes, int]] = []
         self.where: dict[str, tuple[int, int, int]] = {}
         self.pending: list[set[str]] = []
+        self.pieces: list[list[tuple[int, int]]] = []  # per shard, header then tensors, as (start, end)
         for i, shard in enumerate(shards):
             head, offsets = encode_header([(o.name, o.dtype, o.shape, o.nbytes) for o in shard], dict(SHARD_METADATA))
             size = (offsets[-1] + shard[-1].nbytes) if shard else len(head)
@@ -90,7 +113,14 @@ class ShardWriter:
             for o, off in zip(shard, offsets):
                 self.where[o.name] = (i, off, o.nbytes)
             self.pending.append({o.name for o in shard})
+            self.pieces.append([(0, len(head))] + [(off, off + o.nbytes) for o, off in zip(shard, offsets)])
         self.fds: dict[int, int] = {}
+        # One writer per shard at a time: concurrent pwrites to one file contend on its inode lock, where the
+        # kernel spins and burns the CPU another thread could use; waiting on a Python lock sleeps instead.
+        self.write_locks = [threading.Lock() for _ in shards]
+        self.streams: dict[int, PrefixHash] = {}
+        self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync")
+        self.finishing: list[Future] = []
         self.hashes: dict[str, Future] = {}
         self.sizes: dict[str, int] = {}
         self.pool = hash_pool
@@ -133,6 +163,7 @@ class ShardWriter:
                         raise
                     os.ftruncate(fd, size)
                 _pwrite_all(fd, memoryview(head), 0, path)
+                self.streams[i] = PrefixHash(fd, self.pieces[i], self.pool)
             except OSError as exc:
                 os.close(fd)
                 path.unlink(missing_ok=True)
@@ -144,60 +175,73 @@ class ShardWriter:
             self.fds[i] = fd
         return fd
 
-    def _target(self, name: str, offset: int, count: int) -> tuple[int, int] | None:
+    def _target(self, name: str, offset: int, count: int) -> tuple[int, int, int] | None:
+        """(shard, its descriptor, file position) of ``count`` bytes at ``offset`` into output ``name``."""
         i, base, nbytes = self.where[name]
         if offset < 0 or offset + count > nbytes:
             raise AssertionError(f"write of {count} bytes at {offset} overruns {name} ({nbytes} bytes)")
         if i in self.done_shards:
             return None
-        return self._fd(i), base + offset
+        return i, self._fd(i), base + offset
 
     def write(self, name: str, offset: int, data: torch.Tensor) -> None:
         """Write a tensor's bytes at ``offset`` bytes into output tensor ``name``."""
         raw = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         target = self._target(name, offset, raw.nbytes)
         if target is not None:
-            _pwrite_all(target[0], memoryview(raw), target[1], self.tmp_path(self.where[name][0]))
+            i, fd, pos = target
+            with self.write_locks[i]:
+                _pwrite_all(fd, memoryview(raw), pos, self.tmp_path(i))
 
     def copy(self, name: str, src_fd: int, start: int, count: int) -> None:
         """Copy ``count`` bytes of a source file into output tensor ``name`` (in-kernel where possible)."""
         target = self._target(name, 0, count)
         if target is None:
             return
-        fd, pos = target
-        path = self.tmp_path(self.where[name][0])
-        done = 0
-        try:
-            while done < count:
-                n = os.copy_file_range(src_fd, fd, min(COPY_CHUNK, count - done), start + done, pos + done)
-                if n == 0:
-                    raise OSError(errno.EIO, "source ended early")
-                done += n
-        except OSError as exc:
-            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                raise _disk_error(exc, path) from None
-            while done < count:
-                chunk = os.pread(src_fd, min(COPY_CHUNK, count - done), start + done)
-                _pwrite_all(fd, memoryview(chunk), pos + done, path)
-                done += len(chunk)
+        i, fd, pos = target
+        with self.write_locks[i]:
+            _copy_all(src_fd, start, count, fd, pos, self.tmp_path(i))
 
     def written(self, names: list[str]) -> None:
-        """Mark outputs complete; a shard whose outputs are all complete is fsynced and renamed."""
-        finished = []
+        """Mark outputs complete: their bytes join the shard's running hash, and a shard whose outputs are
+        all complete is handed to the finishing thread (fsync, rename)."""
+        self._raise_finish_error()
+        finished, marks = [], []
         with self.lock:
             for name in names:
-                i = self.where[name][0]
-                if i in self.done_shards or not self.pending[i]:
+                i, start, _ = self.where[name]
+                if i in self.done_shards or name not in self.pending[i]:
                     continue
+                self._open(i)
                 self.pending[i].discard(name)
+                marks.append((self.streams[i], start))
                 if not self.pending[i]:
                     finished.append(i)
-        for i in finished:
-            self._finish(i)
+        for stream, start in marks:
+            stream.complete(start)
+        with self.lock:
+            self.finishing += [self.finisher.submit(self._finish, i) for i in finished]
+
+    def _raise_finish_error(self) -> None:
+        for f in self.finishing:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+
+    def close(self) -> None:
+        """Block until every handed-over shard is fsynced and renamed, and stop the finishing thread;
+        raise the first failure."""
+        self.finisher.shutdown(wait=True)
+        for f in self.finishing:
+            f.result()
 
     def _finish(self, i: int) -> None:
+        name, size = self.names[i], self.layout[i][1]
         with self.lock:
             fd = self._open(i)
+            stream = self.streams.pop(i)
+        # The last stretch is hashed (from the page cache) while fsync waits on the disk; the journal
+        # hears of the shard only after the rename (on_finish).
+        future = stream.finish(size)
         path = self.tmp_path(i)
         try:
             os.fsync(fd)
@@ -207,18 +251,20 @@ class ShardWriter:
             with self.lock:
                 os.close(fd)
                 del self.fds[i]
-        name = self.names[i]
-        final = self.out / name
-        os.rename(path, final)
+        os.rename(path, self.out / name)
         fsync_dir(self.out)
-        self.sizes[name] = self.layout[i][1]
-        future = self.hashes[name] = self.pool.submit(sha256_file, final)
+        self.sizes[name] = size
+        self.hashes[name] = future
         if self.on_finish is not None:
-            self.on_finish(name, self.sizes[name], future)
+            self.on_finish(name, size, future)
 
     def abort(self) -> None:
         """Close and remove unfinished temporary shards (finished ones stay for --resume)."""
+        self.finisher.shutdown(wait=True)
         with self.lock:
+            for stream in self.streams.values():
+                stream.close()
+            self.streams.clear()
             for i, fd in list(self.fds.items()):
                 os.close(fd)
                 self.tmp_path(i).unlink(missing_ok=True)

@@ -1,0 +1,47 @@
+"""The output shard's running sha256 (convert/shard_hash.py): pieces completed in any order give the file's
+sha256; an abandoned shard gives no digest."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from nvfp4_megamoe.convert import shard_hash
+from nvfp4_megamoe.convert.shard_hash import PrefixHash
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefix_hash_equals_the_file_hash_whatever_the_completion_order(tmp_path, monkeypatch, seed):
+    monkeypatch.setattr(shard_hash, "HASH_CHUNK", 1000)  # many reads per piece
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, 50_000), 30))
+    pieces = list(zip([0] + cuts, cuts + [50_001]))
+    path = tmp_path / "shard"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, 50_001)
+    data = rng.randbytes(50_001)
+    os.pwrite(fd, data[:pieces[0][1]], 0)  # the header, complete from the start
+    with ThreadPoolExecutor(1) as pool:
+        h = PrefixHash(fd, pieces, pool)
+        for start, end in rng.sample(pieces[1:], len(pieces) - 1):
+            os.pwrite(fd, data[start:end], start)
+            h.complete(start)
+        os.close(fd)  # the writer's descriptor goes; the hash keeps its own
+        os.rename(path, tmp_path / "final")
+        assert h.finish(50_001).result() == hashlib.sha256(data).hexdigest()
+
+
+def test_abandoned_shard_has_no_digest(tmp_path):
+    path = tmp_path / "shard"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    os.pwrite(fd, b"x" * 100, 0)
+    with ThreadPoolExecutor(1) as pool:
+        h = PrefixHash(fd, [(0, 10), (10, 100)], pool)
+        h.close()
+        with pytest.raises(OSError, match="abandoned"):
+            h.finish(100).result()
+    os.close(fd)
