@@ -14,7 +14,7 @@ From ``WGMMA_MIN_MEAN`` routed pairs per expert on (prefill), steps 2 and 3 run 
 Weights are format 1 as written by ``convert`` (``docs/format.md``); the contract of each operand is
 in ``sm90_moe_gemm``. Compiled kernels are cached in-process by their static configuration (and on
 disk by CuTeDSL's own file cache); :meth:`Sm90NvFp4MoE.warmup` compiles every configuration a
-layer can pick so that no compile happens during capture.
+layer can pick (:meth:`Sm90NvFp4MoE.config` for each T up to ``max_tokens``), so that no call compiles.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from .sm90_moe_gemm import Sm90Nvfp4GroupedGemm
 from .sm90_moe_routing import Sm90MoeRouting, max_tiles_for
 from .sm90_moe_wgmma import WGMMA_TILE_TOKENS, Sm90Nvfp4WgmmaGemm
-from .cute_host import expect as _expect, launch as _launch
+from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .swizzle import swizzled_nbytes
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)
@@ -121,6 +121,37 @@ class Sm90NvFp4MoE:
                 Sm90Nvfp4GroupedGemm(m=self.h, k=self.i, mode="scatter", tile_tokens=tile_tokens,
                                      **{**tuning, **l2_extra}))
 
+    def config(self, tokens: int) -> tuple[int, bool, int]:
+        """(tile_tokens, wgmma, row_tiles) of a call with ``tokens`` tokens: the arguments of :meth:`kernels`."""
+        tuning = getattr(self, "tuning", {})
+        wg = tuning.get("wgmma")
+        if wg is None:
+            wg = use_wgmma(tokens, self.k, self.e, tuning.get("wgmma_min_mean", WGMMA_MIN_MEAN))
+        bn = pick_wgmma_tile_tokens(tokens, self.k, self.e) if wg else pick_tile_tokens(tokens, self.k, self.e)
+        rt = 1
+        if not wg and self.h % 128 == 0 and (2 * self.i) % 128 == 0:
+            rt = pick_row_tiles(tokens, self.k, self.e, 2 * self.i, self.sms)
+        return bn, wg, rt
+
+    def warmup(self, ids_dtype: torch.dtype = torch.int32) -> int:
+        """Compile every kernel configuration a call with 1 <= T <= ``max_tokens`` can pick (routing ids of
+        ``ids_dtype``), so that no call compiles (nor any CUDA-graph capture). Returns how many there are."""
+        # compiles specialise on dtypes and ranks only (shapes are dynamic): tiny stand-ins will do
+        dev, p = self.hbuf.device, self.k
+        u8, f32 = dict(dtype=torch.uint8, device=dev), dict(dtype=torch.float32, device=dev)
+        w, sc = torch.empty(1, 1, 16, **u8), torch.empty(1, 16, **u8)
+        x, out = torch.empty(1, 16, dtype=torch.bfloat16, device=dev), torch.empty(1, 16, **f32)
+        ids, wts = torch.empty(p, dtype=ids_dtype, device=dev), torch.empty(p, **f32)
+        configs = {self.config(n) for n in range(1, self.max_tokens + 1)}
+        for bn, wg, rt in configs:
+            routing, l1, l2 = self.kernels(bn, wg, rt)
+            common = [self.token_of[:p], self.weight_of[:p], self.tiles, self.num_tiles]
+            _compile(routing, [ids, wts, self.token_of[:p], self.weight_of[:p], self.tiles, self.num_tiles,
+                               self.rank[:p]])
+            _compile(l1, [w, sc, torch.empty(2, **f32), x, *common, self.hbuf[:p], out])
+            _compile(l2, [w, sc, torch.empty(1, **f32), self.hbuf[:p], *common, out, out])
+        return len(configs)
+
     def check_weights(self, w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha) -> None:
         e, h, i = self.e, self.h, self.i
         _expect(w13.dtype == torch.uint8 and tuple(w13.shape) == (e, 2 * i, h // 2),
@@ -155,14 +186,7 @@ class Sm90NvFp4MoE:
         _expect(out.dtype == torch.float32 and tuple(out.shape) == (t, self.h) and out.is_contiguous(),
                 "out must be contiguous float32 [T, H]")
         pairs = t * self.k
-        tuning = getattr(self, "tuning", {})
-        wg = tuning.get("wgmma")
-        if wg is None:
-            wg = use_wgmma(t, self.k, self.e, tuning.get("wgmma_min_mean", WGMMA_MIN_MEAN))
-        bn = pick_wgmma_tile_tokens(t, self.k, self.e) if wg else pick_tile_tokens(t, self.k, self.e)
-        rt = 1
-        if not wg and self.h % 128 == 0 and (2 * self.i) % 128 == 0:
-            rt = pick_row_tiles(t, self.k, self.e, 2 * self.i, self.sms)
+        bn, wg, rt = self.config(t)
         routing, l1, l2 = self.kernels(bn, wg, rt)
         tiles = self.tiles[:max_tiles_for(pairs, self.e, bn)]
         token_of, weight_of, rank = self.token_of[:pairs], self.weight_of[:pairs], self.rank[:pairs]

@@ -61,6 +61,7 @@ class HopperBackend(ReferenceBackend):
                 layer = Sm90NvFp4MoE(hidden=key[0], intermediate=key[1], experts=n, top_k=top_k,
                                      swiglu_limit=swiglu_limit, max_tokens=self.max_tokens, device=device)
                 layer.kernels(8)  # raises ValueError for shapes the kernels do not tile
+                layer.warmup()    # every configuration up to max_tokens: no forward compiles
             except ValueError:
                 layer = None
             self._moe_layers[key] = layer

@@ -105,3 +105,18 @@ def test_gemm_rejects_bad_config():
         Sm90Nvfp4GroupedGemm(m=128, k=128, mode="store", tile_tokens=12)
     with pytest.raises(ValueError, match="l2_prefetch"):
         Sm90Nvfp4GroupedGemm(m=128, k=128, mode="store", l2_prefetch=32)
+
+
+def test_warmup_compiles_every_configuration_a_call_can_pick():
+    """A V4-Flash layer for T <= 400 on CPU stand-ins: warm-up compiles what ``config`` picks for every T."""
+    from nvfp4_megamoe.kernels import cute_host
+
+    layer = Sm90NvFp4MoE(hidden=4096, intermediate=2048, experts=256, top_k=6, swiglu_limit=10.0,
+                         max_tokens=400, device="cpu")
+    picked = {layer.config(t) for t in range(1, 401)}
+    # T = 1: one row tile; then two; from 342 tokens (8 pairs per expert) the WGMMA kernels
+    assert (8, False, 1) in picked and (8, False, 2) in picked and any(wg for _, wg, _ in picked)
+    assert layer.warmup() == len(picked)
+    for bn, wg, rt in picked:
+        for op in layer.kernels(bn, wg, rt):
+            assert any(key[1] == op.key() for key in cute_host._COMPILED), (bn, wg, rt, type(op).__name__)

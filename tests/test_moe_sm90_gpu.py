@@ -159,3 +159,23 @@ def test_dense_linear(n, kdim, t, subnormal, out_dtype):
     ref = nvfp4_linear(x, weight, scale, alpha)
     assert torch.isfinite(out.float()).all()
     assert _relerr(out.float(), ref) <= 1e-2
+
+
+def test_no_call_compiles_after_warmup():
+    """After ``warmup`` no token count up to ``max_tokens`` compiles (so a graph capture never does)."""
+    from nvfp4_megamoe.kernels import cute_host
+    from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
+
+    h, i, e, k = SHAPES["small"]
+    w = _weights("small")
+    layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=10.0, max_tokens=300)
+    assert layer.warmup() >= 2
+    compiled = len(cute_host._COMPILED)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for t in (1, 2, 7, 33, 150, 300):
+        x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+        ids, wts = routing(t, e, k, "uniform", gen)
+        out = layer(x, ids.to(torch.int32), wts, **w)
+        torch.cuda.synchronize()
+        assert _relerr(out, moe_reference(x, ids, wts, **w, swiglu_limit=10.0)) <= 1e-2
+    assert len(cute_host._COMPILED) == compiled
