@@ -132,12 +132,7 @@ class Sm90Nvfp4GroupedGemm:
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, bz = cute.arch.block_idx()
         if const_expr(self.mode == "swiglu"):
-            # zero the float32 output the L2 scatter accumulates into (saves a memset launch)
-            gx, gy, _ = cute.arch.grid_dim()
-            n16 = mZero.shape[0] * mZero.shape[1] // 4
-            zbase = mZero.iterator.toint()
-            for q in cutlass.range((by * gx + bx) * self.threads + tidx, n16, gx * gy * self.threads, unroll=1):
-                ptx.st_global_v4_zero(zbase + Int64(q) * 16)
+            self.zero_output(mZero, bx, by, tidx)
         if const_expr(self.pdl and self.mode == "swiglu"):
             cute.arch.griddepcontrol_wait()              # the routing's tiles are complete from here
             cute.arch.griddepcontrol_launch_dependents()
@@ -163,6 +158,16 @@ class Sm90Nvfp4GroupedGemm:
         if live != 0:
             self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx, bz * self.n_kt,
                       warp, g, c)
+
+    @cute.jit
+    def zero_output(self, mZero: cute.Tensor, bx: Int32, by: Int32, tidx: Int32):
+        """Zero the float32 output the L2 scatter accumulates into, spread over the whole L1 grid (saves a
+        memset launch). L1 kernels only: the L2 launch that follows is ordered after them."""
+        gx, gy, _ = cute.arch.grid_dim()
+        n16 = mZero.shape[0] * mZero.shape[1] // 4
+        zbase = mZero.iterator.toint()
+        for q in cutlass.range((by * gx + bx) * self.threads + tidx, n16, gx * gy * self.threads, unroll=1):
+            ptx.st_global_v4_zero(zbase + Int64(q) * 16)
 
     @cute.jit
     def tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,

@@ -104,11 +104,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         if const_expr(self.mode == "swiglu"):
-            gx, gy, _ = cute.arch.grid_dim()
-            n16 = mZero.shape[0] * mZero.shape[1] // 4
-            zbase = mZero.iterator.toint()
-            for q in cutlass.range((by * gx + bx) * self.threads + tidx, n16, gx * gy * self.threads, unroll=1):
-                ptx.st_global_v4_zero(zbase + Int64(q) * 16)
+            self.zero_output(mZero, bx, by, tidx)
         smem = cutlass.memory.SmemAllocator()
         sbuf = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(STAGES * self.stage_bytes + 1024), 1024)
         if by < mNumTiles[0]:
