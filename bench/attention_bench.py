@@ -117,7 +117,6 @@ def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
                         row["speedup_vs_torch"] = row["torch_us"] / row["ours_us"]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    del x, out, ref_out
                     torch.cuda.empty_cache()
     return rows
 
