@@ -65,8 +65,9 @@ def make_inputs(b: int, h: int, kind: str, ctx: int, top_k: int, gen: torch.Gene
 
 def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
     from nvfp4_megamoe.kernels.decode_attention_reference import decode_attention_torch
-    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
+    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention, pick_splits
     rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     for model, (h, top_k) in MODELS.items():
         for ctx in args.contexts:
@@ -83,13 +84,23 @@ def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
                                                               x["sink"], SCALE)
                     nbytes = (2 * b * h * D + b * (WINDOW + x["entries"]) * D) * 2
                     row = dict(model=model, heads=h, batch=b, context=ctx, kind=kind, entries=WINDOW + x["entries"],
-                               bytes=nbytes, floor_us=nbytes / copy_bw * 1e6)
+                               bytes=nbytes, floor_us=nbytes / copy_bw * 1e6,
+                               splits=pick_splits(b, h, WINDOW + x["entries"], sms))
                     try:
                         g = capture(ours)
                         row["ours_us"] = timer.time(g, args.reps)
                         del g
                     except Exception as e:  # noqa: BLE001
                         row["ours_error"] = repr(e)[:300]
+                    for n_split in args.splits:  # other split counts than pick_splits', for the record
+                        out3 = torch.empty_like(out)
+                        try:
+                            g = capture(lambda: decode_attention(x["q"], x["kvw"], x["wlen"], x["kvc"], x["idx"],
+                                                                 x["sink"], SCALE, out=out3, splits=n_split))
+                            row[f"ours_s{n_split}_us"] = timer.time(g, args.reps)
+                            del g
+                        except Exception as e:  # noqa: BLE001
+                            row[f"ours_s{n_split}_error"] = repr(e)[:300]
                     if args.variants:  # the other P @ V tiling, for the record
                         out2 = torch.empty_like(out)
                         try:
@@ -203,6 +214,8 @@ def main() -> None:
     p.add_argument("--contexts", type=int, nargs="*", default=list(CONTEXTS))
     p.add_argument("--no-indexer", action="store_true")
     p.add_argument("--variants", action="store_true", help="also time the pv_heads=16 tiling")
+    p.add_argument("--splits", type=int, nargs="*", default=[],
+                   help="also time ours with these fixed flash-decoding split counts (ours_s<N>_us)")
     p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="only draw the plot of a results file")
     args = p.parse_args()
     if args.plot:
