@@ -117,9 +117,10 @@ def breakdown(src: Path, dense: str = "nvfp4") -> dict:
     """Time every unit kind in this process, one unit after another, outputs discarded; and the source sha256."""
     import collections
 
-    from nvfp4_megamoe.convert.plan import Options, make_plan
+    from nvfp4_megamoe.convert.options import Options
+    from nvfp4_megamoe.convert.plan import make_plan
     from nvfp4_megamoe.convert.source import LocalSource
-    from nvfp4_megamoe.convert.writer import sha256_file
+    from nvfp4_megamoe.convert.hashing import sha256_file
 
     class Discard:
         def write(self, *args) -> None: ...

@@ -35,14 +35,16 @@ from nvfp4_megamoe.runtime.format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE
 
 from .errors import ConvertError, OutputError, SourceError
 from .hub import HubSource, looks_like_repo_id
-from .plan import DEFAULT_SHARD_SIZE, Options, Plan, make_plan
+from .options import DEFAULT_SHARD_SIZE, Options
+from .plan import Plan, make_plan
 from .resume import (JOURNAL_FILE, Journal, identity_differences, restore_unit, source_identity, unit_results,
                      write_atomic)
 from .memory import MEMORY_BUDGET, TRIM_AFTER, MemoryBudget, release_memory, working_bytes
 from .source import LocalSource
 from .source_hashes import SourceHashes
 from .staging import Stager
-from .writer import ShardWriter, sha256_file
+from .hashing import sha256_file
+from .writer import ShardWriter
 
 __all__ = ["ConvertResult", "convert_checkpoint", "open_source", "write_atomic", "DEFAULT_WORKERS"]
 

@@ -1,4 +1,7 @@
-"""``nvfp4-convert``: the command line. Thin: parse options, call the Python API, print results."""
+"""``nvfp4-convert``: the command line. Thin: parse options, call the Python API, print results.
+
+Imports torch only inside the commands, so ``convert`` can start hashing a local source first.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +11,18 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from nvfp4_megamoe import __version__
 
 from .errors import ConvertError
-from .plan import DEFAULT_SHARD_SIZE, Plan
+from .hashing import hash_ahead
+from .options import DEFAULT_SHARD_SIZE
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -82,6 +90,9 @@ def main() -> None:
 def convert(source: str, out: Path, dense: str, shard_size: int, dry_run: bool, progress: bool, revision: str | None,
             resume: bool, keep_source: bool, workers: int) -> None:
     """Convert SOURCE (a checkpoint folder, or a Hub repo id owner/name) into OUT."""
+    if not (dry_run or resume) and Path(source).is_dir():
+        # Before torch is imported (over a second on one core): the source hashes get under way meanwhile.
+        hash_ahead(sorted(p for p in Path(source).glob("*.safetensors") if p.is_file()))
     from .api import convert_checkpoint
 
     try:

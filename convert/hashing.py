@@ -1,22 +1,90 @@
-"""sha256 of an output shard while it is being filled, so its digest is ready soon after the last write.
+"""sha256 of checkpoint files: whole files (:func:`sha256_file`), output shards while they fill
+(:class:`PrefixHash`), and a local source's shards from the moment the CLI starts (:func:`hash_ahead`).
 
-Units fill a shard's tensors out of order (two workers, each at its own offsets), but a shard's
+hashlib releases the GIL on large buffers, so all of these run beside the conversion.
+
+Output shards. Units fill a shard's tensors out of order (two workers, each at its own offsets), but a shard's
 sha256 must run front to back. :class:`PrefixHash` tracks which tensors are complete and hashes
-the file's complete prefix as it grows, on the hash thread, reading the bytes back from the page
-cache through its own descriptor (so it outlives the writer's, and the rename). The pieces it
+the file's complete prefix as it grows, on the hash thread, straight from the page cache through
+a read-only mapping of its own descriptor (so it outlives the writer's, and the rename; no copy).
+The writer gives a shard its full size before the first byte, so the mapping covers it all. The pieces it
 is told about are final when marked complete (a unit marks its outputs only once all are
 written), so the digest is exactly that of the finished file.
+
+Source shards. Importing torch keeps one core busy for over a second before the converter can
+start; the CLI calls :func:`hash_ahead` first, so the source hashes the manifest records are under
+way meanwhile. A result is used (:func:`hashed_ahead`) only if the file's size and mtime did not
+change while it was hashed and still match when it is taken.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 HASH_CHUNK = 8 * 1024 * 1024
+
+
+def sha256_file(path: str | Path, chunk: int = 16 * 1024 * 1024) -> str:
+    """Hex sha256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+Stamp = tuple[int, int]  # (size, mtime_ns): what tells that a file did not change
+_ahead: dict[str, Future] = {}
+
+
+def file_stamp(path: str | Path) -> Stamp:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def hash_ahead(paths: list[Path]) -> None:
+    """Start hashing ``paths``, in this order, on a daemon thread (it never holds up the interpreter's exit).
+
+    A path already started (and not yet taken) is not started again.
+    """
+    jobs = []
+    for p in paths:
+        key = str(p.resolve())
+        if key not in _ahead:
+            _ahead[key] = Future()
+            jobs.append((p, _ahead[key]))
+    threading.Thread(target=_hash_all, args=(jobs,), name="sha256-ahead", daemon=True).start()
+
+
+def _hash_all(jobs: list[tuple[Path, Future]]) -> None:
+    for path, future in jobs:
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            before = file_stamp(path)
+            sha = sha256_file(path)
+            future.set_result((before if file_stamp(path) == before else None, sha))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever takes the result
+            future.set_exception(exc)
+
+
+def hashed_ahead(path: str | Path) -> str | None:
+    """The sha256 :func:`hash_ahead` computed for ``path`` (waiting for it), or None: none was started, it
+    failed, or the file changed during or since."""
+    future = _ahead.pop(str(Path(path).resolve()), None)
+    if future is None or future.cancel():
+        return None
+    try:
+        stamp, sha = future.result()
+    except OSError:
+        return None
+    return sha if stamp is not None and stamp == file_stamp(path) else None
 
 
 class PrefixHash:
@@ -32,7 +100,7 @@ class PrefixHash:
         self.pool = pool
         self.sha = hashlib.sha256()
         self.pos = 0
-        self.buf: memoryview | None = None
+        self.view: memoryview | None = None  # of the mapping, made on first use
         self.marks = threading.Lock()  # completion bookkeeping (worker threads)
         self.io = threading.Lock()  # the descriptor and the hash state (hash thread; close)
 
@@ -56,10 +124,14 @@ class PrefixHash:
     def close(self) -> None:
         """Release the descriptor without a digest (the shard is abandoned)."""
         with self.io:
+            if self.view is not None:
+                mapping = self.view.obj
+                self.view.release()
+                mapping.close()
+                self.view = None
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
-            self.buf = None
 
     def _digest(self, size: int) -> str:
         try:
@@ -76,12 +148,11 @@ class PrefixHash:
         with self.io:
             if self.fd < 0 or self.pos >= end:
                 return
-            if self.buf is None:
-                self.buf = memoryview(bytearray(HASH_CHUNK))
-            buf = self.buf
+            if self.view is None:
+                self.view = memoryview(mmap.mmap(self.fd, 0, prot=mmap.PROT_READ))
+            if end > len(self.view):
+                raise OSError(errno.EIO, f"shard is {len(self.view)} bytes, hashing to {end}")
             while self.pos < end:
-                n = os.preadv(self.fd, [buf[:end - self.pos]], self.pos)
-                if n <= 0:
-                    raise OSError(errno.EIO, f"shard ended at {self.pos} bytes while hashing to {end}")
-                self.sha.update(buf[:n])
+                n = min(HASH_CHUNK, end - self.pos)
+                self.sha.update(self.view[self.pos:self.pos + n])
                 self.pos += n

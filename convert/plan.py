@@ -8,40 +8,22 @@ sibling, a layer missing an expert, or a shape that contradicts config.json rais
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from .errors import PlanError
+from .options import DENSE_MODES, Options
 from .rules import FUSED, FUSED_PARTS, matching_rules
 from .source import SourceTensor
 from .units import ROLES, FusedMatrices, OutputSpec, Passthrough, Unit
-
-DEFAULT_SHARD_SIZE = 5 * 10**9
-DENSE_MODES = ("nvfp4", "keep")
-
 
 class PlanSource(Protocol):
     config: dict
     tensors: dict[str, SourceTensor]
     files: list[str]
     description: str
-
-
-@dataclass
-class Options:
-    """What a conversion does; hashed into the manifest so ``--resume`` can refuse a changed run."""
-
-    dense: str = "nvfp4"
-    shard_size: int = DEFAULT_SHARD_SIZE
-
-    def as_dict(self) -> dict:
-        return {"dense": self.dense, "shard_size": self.shard_size}
-
-    def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()
 
 
 @dataclass

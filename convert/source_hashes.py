@@ -1,4 +1,5 @@
-"""sha256 of every source file for the manifest: hashed in the background, or the Hub's LFS hash checked."""
+"""sha256 of every source file for the manifest: hashed in the background (or taken from the CLI's early
+start, :func:`~.hashing.hash_ahead`), or the Hub's LFS hash checked."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import SourceError
+from .hashing import hashed_ahead, sha256_file
 from .resume import Journal
 from .source import LocalSource
-from .writer import sha256_file
 
 if TYPE_CHECKING:
     from .hub import HubSource
@@ -39,7 +40,7 @@ class SourceHashes:
             self.futures[file] = self.pool.submit(self._hash, file, path, known)
 
     def _hash(self, file: str, path: Path, known: str | None) -> str:
-        sha = sha256_file(path)
+        sha = hashed_ahead(path) or sha256_file(path)
         if known is not None and sha != known:
             raise SourceError(f"{self.src.description}/{file}: the downloaded file's sha256 is {sha}, but the Hub "
                               f"published {known}; the download is corrupt. Nothing was finished; run again "
@@ -58,7 +59,7 @@ class SourceHashes:
             f = self.futures.get(file)
             sha = f.result() if f is not None else self.src.known_sha256(file) or self.journal.source_sha256.get(file)
             if sha is None:  # a local file no remaining unit needed and no journal entry: hash it now
-                sha = sha256_file(self.src.file_path(file))
+                sha = hashed_ahead(self.src.file_path(file)) or sha256_file(self.src.file_path(file))
             out[file] = {"size": self.src.file_size(file), "sha256": sha}
         return out
 

@@ -36,13 +36,14 @@ from nvfp4_megamoe.kernels.scales import E4M3_NAN_BYTES
 from nvfp4_megamoe.kernels.swizzle import swizzle_padding
 
 from .errors import ConvertError
-from .plan import DEFAULT_SHARD_SIZE, Options, Plan, make_plan
+from .options import DEFAULT_SHARD_SIZE, Options
+from .plan import Plan, make_plan
 from .safetensors_header import TensorInfo, tensor_from_bytes
 from .source import LocalSource
 from .units import FusedMatrices, Passthrough
 from .verify_roundtrip import BOUNDS, CHECKS, Item, UnitCheck, bound_violations, manifest_disagreement, scale_cols
 from .verify_structure import Layout, check_against_config, check_files, nvfp4_groups
-from .writer import sha256_file
+from .hashing import sha256_file
 
 __all__ = ["Failure", "TensorResult", "VerifyReport", "format_report", "verify_checkpoint"]
 

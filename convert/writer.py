@@ -5,14 +5,13 @@ front (so a full disk fails early, not at the last byte), filled piece by piece 
 fsynced and only then renamed to its final name. A folder with partial files and no index never
 looks like a finished conversion.
 
-The sha256 of a shard is computed while it fills (:mod:`.shard_hash`), and a finished shard is
+The sha256 of a shard is computed while it fills (:mod:`.hashing`), and a finished shard is
 fsynced and renamed on a thread of its own, so neither holds up the conversion of what follows.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,19 +24,10 @@ from nvfp4_megamoe.runtime.format import SHARD_METADATA, shard_name
 
 from .errors import OutputError
 from .safetensors_header import encode_header
-from .shard_hash import PrefixHash
+from .hashing import PrefixHash
 from .units import OutputSpec
 
 COPY_CHUNK = 64 * 1024 * 1024
-
-
-def sha256_file(path: str | Path, chunk: int = 16 * 1024 * 1024) -> str:
-    """Hex sha256 of a file, read in chunks (hashlib releases the GIL, so this runs beside conversion)."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:

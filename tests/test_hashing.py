@@ -1,4 +1,4 @@
-"""The output shard's running sha256 (convert/shard_hash.py): pieces completed in any order give the file's
+"""The output shard's running sha256 (convert/hashing.py): pieces completed in any order give the file's
 sha256; an abandoned shard gives no digest."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from nvfp4_megamoe.convert import shard_hash
-from nvfp4_megamoe.convert.shard_hash import PrefixHash
+from nvfp4_megamoe.convert import hashing
+from nvfp4_megamoe.convert.hashing import PrefixHash
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_prefix_hash_equals_the_file_hash_whatever_the_completion_order(tmp_path, monkeypatch, seed):
-    monkeypatch.setattr(shard_hash, "HASH_CHUNK", 1000)  # many reads per piece
+    monkeypatch.setattr(hashing, "HASH_CHUNK", 1000)  # many reads per piece
     rng = random.Random(seed)
     cuts = sorted(rng.sample(range(1, 50_000), 30))
     pieces = list(zip([0] + cuts, cuts + [50_001]))
@@ -45,3 +45,26 @@ def test_abandoned_shard_has_no_digest(tmp_path):
         with pytest.raises(OSError, match="abandoned"):
             h.finish(100).result()
     os.close(fd)
+
+
+def test_hashed_ahead_only_while_the_file_is_unchanged(tmp_path):
+    a, b, c = (tmp_path / n for n in ("a.safetensors", "b.safetensors", "c.safetensors"))
+    for p, data in ((a, b"alpha" * 1000), (b, b"beta" * 1000), (c, b"gamma")):
+        p.write_bytes(data)
+    hashing.hash_ahead([a, b])
+    assert hashing.hashed_ahead(a) == hashlib.sha256(a.read_bytes()).hexdigest()
+    assert hashing.hashed_ahead(a) is None  # handed out once
+    assert hashing.hashed_ahead(c) is None  # never started
+    while not hashing._ahead[str(b.resolve())].done():
+        pass
+    st = b.stat()
+    os.utime(b, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # changed since it was hashed
+    assert hashing.hashed_ahead(b) is None
+
+
+def test_hash_ahead_twice_starts_each_file_once(tmp_path):
+    a = tmp_path / "a.safetensors"
+    a.write_bytes(b"x" * 5000)
+    hashing.hash_ahead([a])
+    hashing.hash_ahead([a])  # e.g. a second in-process CLI call before the first took its result
+    assert hashing.hashed_ahead(a) == hashlib.sha256(b"x" * 5000).hexdigest()
