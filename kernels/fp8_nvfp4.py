@@ -18,7 +18,8 @@ summary (:class:`ValueHistogram`).
 
 :func:`fp8_to_nvfp4` takes the tables where they are exact and the reference elsewhere: float32
 block scales (the -Base checkpoints), E8M0 bytes >= 247 (values past float32), NaN bytes, a
-global scale below 2**-100 (``sb * alpha`` could underflow), K not a multiple of 16, no elements.
+global scale below 2**-100 (``sb * alpha`` could underflow), more than :data:`MAX_COMBOS` combos,
+K not a multiple of 16, no elements.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ ALPHA_TABLE_MIN = 2.0**-100
 # Elements per step of the table path: bounds its temporaries (~5 bytes per element) to tens of MB.
 TABLE_CHUNK = 1 << 22
 PAIRS = 1 << 16  # table entries per combo: two FP8 bytes read as one int16, offset by 2**15
+# Most (tile exponent, block max) combos a part may hold for the tables (32 MB of pair table); real
+# weights have a few dozen to a few hundred.
+MAX_COMBOS = 512
 
 
 @dataclass(frozen=True)
@@ -115,13 +119,17 @@ def _scan(weight: torch.Tensor, scale: torch.Tensor) -> _Scan | None:
     tile = tile.repeat_interleave(FP8_BLOCK, dim=0)[:rows].repeat_interleave(FP8_BLOCK // BLOCK, dim=1)[:, :nb]
     keys = torch.empty(rows, nb, dtype=torch.int32)
     per = max(1, TABLE_CHUNK // cols)
-    for r in range(0, rows, per):
-        mag = (w[r:r + per] & 0x7F).view(-1, nb, BLOCK).amax(dim=-1)
-        torch.add(tile[r:r + per], mag, out=keys[r:r + per])
+    mag = torch.empty(min(per, rows) * cols, dtype=torch.uint8)
+    block_max = torch.empty(min(per, rows) * nb, dtype=torch.uint8)
+    for r in range(0, rows, per):  # one set of chunk buffers, reused: fresh ones would cost page faults
+        n = min(per, rows - r)
+        m = torch.bitwise_and(w[r:r + n], 0x7F, out=mag[:n * cols].view(n, cols))
+        b = torch.amax(m.view(n, nb, BLOCK), dim=-1, out=block_max[:n * nb].view(n, nb))
+        torch.add(tile[r:r + n], b, out=keys[r:r + n])
     if int((keys % 128).max()) == 0x7F:  # an E4M3 NaN byte
         return None
     present = torch.bincount(keys.reshape(-1), minlength=256 * 128).nonzero().reshape(-1)
-    return _Scan(w, keys, present)
+    return _Scan(w, keys, present) if present.numel() <= MAX_COMBOS else None
 
 
 def _tables(combos: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,14 +162,17 @@ def _encode(scan: _Scan, alpha: float) -> tuple[torch.Tensor, torch.Tensor, Valu
     counts = torch.zeros(scan.combos.numel() * 256, dtype=torch.int64)
     elem_dtype = torch.int16 if counts.numel() <= 1 << 15 else torch.int32
     per = max(1, TABLE_CHUNK // cols)
+    pair_idx = torch.empty(min(per, rows) * cols // 2, dtype=torch.int32)
+    elem_idx = torch.empty(min(per, rows) * cols, dtype=elem_dtype)
     for r in range(0, rows, per):
-        c = combo[r:r + per]
-        w = scan.weight[r:r + per]
-        idx = torch.add((c * PAIRS + PAIRS // 2).unsqueeze(-1), w.view(torch.int16).view(-1, nb, BLOCK // 2))
-        torch.index_select(pairs, 0, idx.reshape(-1), out=packed[r:r + per].view(-1))
-        elem = torch.add((c * 256).to(elem_dtype).unsqueeze(-1), w.view(-1, nb, BLOCK), out=torch.empty(
-            w.shape[0], nb, BLOCK, dtype=elem_dtype))
-        counts += torch.bincount(elem.reshape(-1), minlength=counts.numel())
+        n = min(per, rows - r)
+        c, w = combo[r:r + n], scan.weight[r:r + n]
+        idx = torch.add((c * PAIRS + PAIRS // 2).unsqueeze(-1), w.view(torch.int16).view(n, nb, BLOCK // 2),
+                        out=pair_idx[:n * cols // 2].view(n, nb, BLOCK // 2))
+        torch.index_select(pairs, 0, idx.view(-1), out=packed[r:r + n].view(-1))
+        elem = torch.add((c * 256).to(elem_dtype).unsqueeze(-1), w.view(n, nb, BLOCK),
+                         out=elem_idx[:n * cols].view(n, nb, BLOCK))
+        counts += torch.bincount(elem.view(-1), minlength=counts.numel())
     scales = sb.index_select(0, combo.reshape(-1)).reshape(rows, nb)
     return packed, scales, ValueHistogram(x.reshape(-1), approx.reshape(-1), counts)
 

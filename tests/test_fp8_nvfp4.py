@@ -101,7 +101,8 @@ def test_all_zero_matrix_and_float8_dtypes():
     _assert_same(fp8_to_nvfp4_tables([w8], [s8], False), fp8_to_nvfp4_reference([w8], [s8], False))
 
 
-@pytest.mark.parametrize("case", ["f32 scales", "e8m0 byte past the tables", "nan byte", "tiny alpha"])
+@pytest.mark.parametrize("case", ["f32 scales", "e8m0 byte past the tables", "nan byte", "tiny alpha",
+                                  "too many combos"])
 def test_reference_where_the_tables_are_not_exact(case):
     g = torch.Generator().manual_seed(3)
     w, s = _fp8(256, 256, g, zero_blocks=False), _e8m0(256, 256, 120, 130, g)
@@ -111,6 +112,8 @@ def test_reference_where_the_tables_are_not_exact(case):
         s[0, 0] = E8M0_TABLE_MAX + 1
     elif case == "nan byte":
         w[5, 7] = 0xFF
+    elif case == "too many combos":  # a distinct exponent per tile, many block maxima in each
+        w, s = _fp8(1024, 1024, g, zero_blocks=False), torch.arange(100, 164, dtype=torch.uint8).reshape(8, 8)
     else:  # every value tiny: alpha = amax / 2688 is a float32 subnormal
         w = w & 0x87
         s.fill_(0)
