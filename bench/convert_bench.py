@@ -2,14 +2,16 @@
 memory, throughput; default options and ``--dense keep``; and the memory check at twice the experts.
 
     python bench/convert_bench.py --workdir /tmp/convert-bench            # makes the checkpoints if missing
-    python bench/convert_bench.py --workdir DIR --runs 2 --workers 2 --json results.json
+    python bench/convert_bench.py --workdir DIR --runs 3 --workers 2 --json results.json
 
 Sources are synthetic checkpoints with real V4-Flash layer shapes (``synth`` presets
 ``flash-layer``: H=4096, I=2048, 64 experts, 3 layers + MTP, ~3.9 GB; ``flash-layer-2x``: the same
 with 128 experts, ~7.5 GB). Caches cannot be dropped here (no root access to
 ``/proc/sys/vm/drop_caches`` assumed), so every timed command starts with the source warm in the
 page cache: it is read once (``cat > /dev/null``) right before each run, for ``cp -r`` and the
-converter alike. ``cp -r`` is timed with and without a final ``sync`` (the converter fsyncs every
+converter alike, and the workdir's other checkpoint is dropped from the cache (``posix_fadvise``).
+Rounds interleave the timed commands; each figure is the best of its rounds (``--runs``, default 3).
+``cp -r`` is timed with and without a final ``sync`` (the converter fsyncs every
 shard, so ``cp -r && sync`` is the like-for-like figure). Peak anonymous memory is ``RssAnon`` of
 the converter process sampled from ``/proc/PID/status`` every 10 ms.
 """
@@ -31,6 +33,16 @@ GiB = 1024**3
 
 
 def warm(src: Path) -> None:
+    """Source in the page cache, and the workdir's other checkpoints out of it, so every timed command
+    starts with the same source cached and about the same free memory (writing gigabytes into a page
+    cache that must first evict other files costs several seconds here)."""
+    for other in src.parent.iterdir():
+        if other.is_dir() and other != src and (other / "model.safetensors.index.json").exists():
+            for p in other.iterdir():
+                if p.is_file():
+                    fd = os.open(p, os.O_RDONLY)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
     for p in sorted(src.iterdir()):
         if p.is_file():
             with open(p, "rb", buffering=0) as f:
@@ -154,12 +166,17 @@ def ensure(workdir: Path, preset: str) -> Path:
     return path
 
 
+def _fmt(xs: list[float]) -> str:
+    return "/".join(f"{x:.1f}" for x in xs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/convert-bench"))
     ap.add_argument("--preset", default="flash-layer")
     ap.add_argument("--twice", default="flash-layer-2x", help="preset with twice the experts ('' to skip)")
-    ap.add_argument("--runs", type=int, default=1, help="runs per measurement (the best is reported)")
+    ap.add_argument("--runs", type=int, default=3, help="interleaved rounds of the timed commands (the best of each is "
+                    "reported; all are recorded)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--breakdown", action="store_true", help="only: time each unit kind in one thread (no output)")
@@ -178,21 +195,30 @@ def main() -> None:
                             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM",
                  "load_before": os.getloadavg(), "source": str(src), "source_bytes": size, "workers": args.workers,
                  "baseline_rss_anon": baseline_rss()}
-    best = lambda xs, key: min(xs, key=lambda r: r[key])  # noqa: E731
-    res["cp_s"] = min(time_cp(src, args.workdir / "cp-copy", sync=False) for _ in range(args.runs))
-    res["cp_sync_s"] = min(time_cp(src, args.workdir / "cp-copy", sync=True) for _ in range(args.runs))
-    for name, extra in (("default", []), ("dense_keep", ["--dense", "keep"])):
-        runs = [time_convert(src, args.workdir / "out", extra, args.workers) for _ in range(args.runs)]
-        res[name] = best(runs, "wall_s")
-        res[name]["peak_rss_anon"] = max(r["peak_rss_anon"] for r in runs)
+    # Rounds interleave the commands (cp, cp && sync, default, --dense keep), so a machine that drifts
+    # (other work, memory state) affects all alike; each figure is the best of its rounds.
+    modes = (("default", []), ("dense_keep", ["--dense", "keep"]))
+    cp, cp_sync, runs = [], [], {name: [] for name, _ in modes}
+    for _ in range(args.runs):
+        cp.append(time_cp(src, args.workdir / "cp-copy", sync=False))
+        cp_sync.append(time_cp(src, args.workdir / "cp-copy", sync=True))
+        for name, extra in modes:
+            runs[name].append(time_convert(src, args.workdir / "out", extra, args.workers))
+    res["cp_s"], res["cp_sync_s"], res["cp_runs_s"], res["cp_sync_runs_s"] = min(cp), min(cp_sync), cp, cp_sync
+    for name, _ in modes:
+        res[name] = dict(min(runs[name], key=lambda r: r["wall_s"]))
+        res[name]["peak_rss_anon"] = max(r["peak_rss_anon"] for r in runs[name])
+        res[name]["runs_s"] = [r["wall_s"] for r in runs[name]]
     if twice is not None:
         res["twice_source_bytes"] = folder_bytes(twice)
         res["twice_default"] = time_convert(twice, args.workdir / "out", [], args.workers)
     res["load_after"] = os.getloadavg()
 
     print(f"\nmachine: {res['machine']}; load average before {res['load_before'][0]:.1f}, after {res['load_after'][0]:.1f}")
-    print(f"source: {src} ({size / 1e9:.2f} GB); workers {args.workers}; best of {args.runs}; source warm in the page "
-          "cache before every timed command (read once with cat-like reads)")
+    print(f"source: {src} ({size / 1e9:.2f} GB); workers {args.workers}; best of {args.runs} interleaved rounds; "
+          "source warm in the page cache before every timed command (read once with cat-like reads)")
+    print(f"all rounds (s): cp -r {_fmt(cp)}, cp -r && sync {_fmt(cp_sync)}, "
+          + ", ".join(f"{name} {_fmt(res[name]['runs_s'])}" for name, _ in modes))
     print(f"baseline RssAnon (imports only): {res['baseline_rss_anon'] / 2**20:.0f} MiB")
     print(f"cp -r: {res['cp_s']:.1f} s   cp -r && sync: {res['cp_sync_s']:.1f} s")
     print("| run | time (s) | / cp -r | / cp -r+sync | source GB/s | peak RssAnon (MiB) |")
