@@ -24,12 +24,13 @@ K not a multiple of 16, no elements.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .e2m1 import unpack_nibbles
-from .fp8 import FP8_BLOCK, fp8_block_dequantize
+from .fp8 import FP8_BLOCK, block_scale_values, fp8_block_dequantize
 from .nvfp4 import (BLOCK, block_amax, block_scales_from_amax, dequantize_nvfp4, encode_nvfp4, global_scale_for)
 from .scales import decode_e4m3, decode_e8m0
 
@@ -77,7 +78,14 @@ def fp8_to_nvfp4_reference(weights: list[torch.Tensor], scales: list[torch.Tenso
     """The recipe in float32 torch ops (module docstring); every part on one alpha with ``shared_alpha``."""
     values = [fp8_block_dequantize(w, s) for w, s in zip(weights, scales)]
     block_max = [block_amax(v) for v in values]  # one pass gives both the block and the global amax
-    alphas = _alphas([float(b.max()) for b in block_max], shared_alpha)
+    amax = [float(b.max()) for b in block_max]
+    if any(math.isnan(a) for a in amax):
+        raise ValueError("the FP8 weight holds NaN bytes (0x7F / 0xFF), which have no NVFP4 value")
+    if not all(math.isfinite(a) for a in amax):
+        raise ValueError("FP8 values times their block scales exceed the float32 range (block scales up to "
+                         f"{max(float(block_scale_values(s).max()) for s in scales):.3g}), which an NVFP4 copy with a "
+                         "float32 global scale cannot hold; keep the dense layers in FP8 with --dense keep")
+    alphas = _alphas(amax, shared_alpha)
     blocks = [block_scales_from_amax(b, a) for b, a in zip(block_max, alphas)]
     packed = [encode_nvfp4(v, b, a) for v, b, a in zip(values, blocks, alphas)]
     return Fp8Cast(packed, blocks, tuple(alphas), sources=values)

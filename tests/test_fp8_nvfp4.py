@@ -136,3 +136,16 @@ def test_shape_errors_come_from_the_reference():
         fp8_to_nvfp4([w], [torch.zeros(1, 1, dtype=torch.uint8)], True)
     with pytest.raises(ValueError, match="block scales of shape"):
         fp8_to_nvfp4([torch.zeros(16, 32, dtype=torch.uint8)], [torch.zeros(2, 1, dtype=torch.uint8)], True)
+
+
+@pytest.mark.parametrize("scale_byte,nan,match", [(254, False, "float32 range"), (250, False, "--dense keep"),
+                                                  (127, True, "NaN")])
+def test_unrepresentable_sources_are_clear_errors(scale_byte, nan, match):
+    """Values past float32 (E8M0 scales near 2**127) or NaN bytes: a ValueError saying what, never a crash."""
+    g = torch.Generator().manual_seed(4)
+    w, s = _fp8(256, 256, g, zero_blocks=False), torch.full((2, 2), 127, dtype=torch.uint8)
+    s[1, 0] = scale_byte
+    if nan:
+        w[3, 9] = 0x7F
+    with pytest.raises(ValueError, match=match):
+        fp8_to_nvfp4([w], [s], False)
