@@ -4,23 +4,94 @@ Kernel objects expose ``key()`` (their static configuration); a compiled kernel 
 in-process by (class, key, operand dtypes and ranks), with shapes left dynamic, so one compile
 serves every token count. With ``CUTE_DSL_ARCH=sm_90a`` and CPU tensors :func:`compile_op`
 builds the sm_90a binary without a GPU (the CI compile tests).
+
+On disk: ``cute.compile`` bypasses CuTeDSL's own file cache, so when ``NVFP4_MEGAMOE_KERNEL_CACHE``
+names a folder, each compiled kernel is also written there as an object file (``dump_to_object``)
+and later processes load it (``cute.runtime.load_module``) instead of compiling. The file name hashes
+the in-process key, the operands' alignments, the target, the CuTeDSL version and the source of every
+module in ``kernels/``, so an edited kernel or another toolchain never loads a stale binary; a file
+that fails to load is compiled again. Off by default until a GPU run has checked loaded kernels.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import warnings
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 _COMPILED: dict[tuple, Callable] = {}
+CACHE_ENV = "NVFP4_MEGAMOE_KERNEL_CACHE"
+_SOURCE_DIGEST: str | None = None
+
+
+def _alignment(t: torch.Tensor) -> int:
+    return 16 if t.data_ptr() % 16 == 0 else t.element_size()
 
 
 def to_cute(t: torch.Tensor):
     """A torch tensor as a CuTe tensor (16-byte alignment when the pointer allows; dynamic layout)."""
     from cutlass.cute.runtime import from_dlpack
 
-    align = 16 if t.data_ptr() % 16 == 0 else t.element_size()
-    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    return from_dlpack(t, assumed_align=_alignment(t)).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def _source_digest() -> str:
+    """sha256 of every module of this package (a kernel edit must not load an old binary), and CuTeDSL's version."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        from importlib import metadata
+
+        h = hashlib.sha256()
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+        try:
+            h.update(metadata.version("nvidia-cutlass-dsl").encode())
+        except metadata.PackageNotFoundError:  # an unpacked copy without its dist-info: its location then
+            import cutlass
+            h.update(str(Path(cutlass.__file__).resolve()).encode())
+        _SOURCE_DIGEST = h.hexdigest()
+    return _SOURCE_DIGEST
+
+
+def _cache_file(key: tuple, tensors: list[torch.Tensor]) -> tuple[Path, str] | None:
+    """(object file, symbol prefix) of this compile in the on-disk cache, or None when it is off."""
+    folder = os.environ.get(CACHE_ENV)
+    if not folder:
+        return None
+    target = os.environ.get("CUTE_DSL_ARCH") or (
+        "sm_%d%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else "cpu")
+    ident = repr((key, tuple(_alignment(t) for t in tensors), target, _source_digest()))
+    digest = hashlib.sha256(ident.encode()).hexdigest()
+    return Path(folder) / f"{digest}.o", f"k{digest[:24]}"
+
+
+def _load_cached(where: tuple[Path, str]) -> Callable | None:
+    path, prefix = where
+    if not path.is_file():
+        return None
+    try:
+        from cutlass.cute.runtime import load_module
+
+        return getattr(load_module(str(path)), prefix)
+    except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: compile again, say so once
+        warnings.warn(f"{path}: cached kernel did not load ({exc}); compiling it again", stacklevel=3)
+        return None
+
+
+def _store_cached(where: tuple[Path, str], fn) -> None:
+    path, prefix = where
+    try:
+        data = fn.dump_to_object(prefix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # another process writing the same kernel writes the same bytes
+    except Exception as exc:  # noqa: BLE001 - the cache is an optimisation: the compiled kernel still serves
+        warnings.warn(f"{path}: could not cache the compiled kernel ({exc})", stacklevel=3)
 
 
 def current_stream():
@@ -35,10 +106,15 @@ def compile_op(op, tensors: list[torch.Tensor], stream=None) -> Callable:
     key = (type(op).__name__, op.key(), tuple((t.dtype, t.dim()) for t in tensors))
     fn = _COMPILED.get(key)
     if fn is None:
-        import cuda.bindings.driver as cuda
-        import cutlass.cute as cute
+        where = _cache_file(key, tensors)
+        fn = _load_cached(where) if where else None
+        if fn is None:
+            import cuda.bindings.driver as cuda
+            import cutlass.cute as cute
 
-        fn = cute.compile(op, *[to_cute(t) for t in tensors], stream if stream is not None else cuda.CUstream(0))
+            fn = cute.compile(op, *[to_cute(t) for t in tensors], stream if stream is not None else cuda.CUstream(0))
+            if where:
+                _store_cached(where, fn)
         _COMPILED[key] = fn
     return fn
 

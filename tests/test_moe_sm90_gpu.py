@@ -179,3 +179,27 @@ def test_no_call_compiles_after_warmup():
         torch.cuda.synchronize()
         assert _relerr(out, moe_reference(x, ids, wts, **w, swiglu_limit=10.0)) <= 1e-2
     assert len(cute_host._COMPILED) == compiled
+
+
+def test_kernels_loaded_from_the_disk_cache_compute_the_same(tmp_path, monkeypatch):
+    """Kernels written to ``NVFP4_MEGAMOE_KERNEL_CACHE`` and loaded back (no compile) give the same bytes."""
+    import cutlass.cute as cute
+
+    from nvfp4_megamoe.kernels import cute_host
+    from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
+
+    monkeypatch.setenv(cute_host.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(cute_host, "_COMPILED", {})
+    h, i, e, k = SHAPES["small"]
+    w = _weights("small")
+    layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=10.0, max_tokens=64)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(29, h, device="cuda", generator=gen).to(torch.bfloat16)
+    ids, wts = routing(29, e, k, "skewed", gen)
+    compiled = layer(x, ids, wts, **w).clone()
+    assert any(tmp_path.glob("*.o"))
+    monkeypatch.setattr(cute_host, "_COMPILED", {})
+    monkeypatch.setattr(cute, "compile", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("compiled")))
+    loaded = layer(x, ids, wts, **w)
+    torch.cuda.synchronize()
+    assert torch.equal(loaded, compiled) or _relerr(loaded, compiled) < 1e-6  # atomics may reorder the sums
