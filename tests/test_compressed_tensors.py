@@ -22,7 +22,7 @@ from nvfp4_megamoe.convert.inspect import inspect_checkpoint
 from nvfp4_megamoe.convert.synth import synthetic_config, write_synthetic
 from nvfp4_megamoe.convert.verify import verify_checkpoint
 
-from test_convert import Checkpoint, _expert_layers, e4m3, e8m0, spec_deinterleave, spec_unswizzle
+from test_convert import Checkpoint, assert_mxfp4_scales_exact, e4m3, routed_expert_parts
 from test_verify import _named, _poke, _where
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -70,41 +70,23 @@ def test_source_is_compressed_tensors_shaped(ct):
 
 def test_nibbles_scale_bytes_identical_and_alpha_is_reciprocal(ct):
     src, out, _, _ = ct
-    cfg = json.loads((src.root / "config.json").read_text())
-    hidden, inter, n_exp = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
     checked_ct = checked_mx = 0
-    for layer in _expert_layers(cfg):
-        for fused, parts, rows, cols in (("w13", ("w1", "w3"), inter, hidden), ("w2", ("w2",), hidden, inter)):
-            base = f"{layer}.ffn.experts.{fused}"
-            weight, scale, alpha = out.get(f"{base}.weight"), out.get(f"{base}.weight_scale"), out.get(f"{base}.alpha")
-            assert weight.shape == (n_exp, len(parts) * rows, cols // 2)
-            assert alpha.shape == ((n_exp, 2) if len(parts) == 2 else (n_exp,))
-            alpha = alpha.reshape(n_exp, -1)
-            for e in range(n_exp):
-                s = spec_unswizzle(scale[e], len(parts) * rows, cols // 16)
-                w_parts = spec_deinterleave(weight[e]) if len(parts) == 2 else (weight[e],)
-                s_parts = spec_deinterleave(s) if len(parts) == 2 else (s,)
-                for j, (p, w_out, s_out) in enumerate(zip(parts, w_parts, s_parts)):
-                    name = f"{layer}.ffn.experts.{e}.{p}"
-                    if layer.startswith("mtp."):  # MXFP4 MTP experts: effective scales exact
-                        assert torch.equal(w_out, src.get(f"{name}.weight").view(torch.uint8)), name
-                        eff = e4m3(s_out) * float(alpha[e, 0])
-                        want = e8m0(src.get(f"{name}.scale")).repeat_interleave(2, dim=1)
-                        codes = torch.stack((w_out & 7, (w_out >> 4) & 7), -1).reshape(rows, -1, 32)
-                        nonzero = (codes != 0).any(-1).repeat_interleave(2, dim=1)
-                        assert torch.equal(eff[nonzero], want[nonzero]), name
-                        checked_mx += 1
-                        continue
-                    assert torch.equal(w_out, src.get(f"{name}.weight_packed")), name
-                    assert torch.equal(s_out, src.get(f"{name}.weight_scale").view(torch.uint8)), name
-                    gs = float(src.get(f"{name}.weight_global_scale"))
-                    a = float(alpha[e, j])
-                    assert a == _reciprocal_f32(gs), name  # float32(1 / gs), correctly rounded
-                    assert abs(a * gs - 1.0) <= 2.0**-24, name
-                    checked_ct += 1
-            if fused == "w13" and not layer.startswith("mtp."):
-                assert not torch.equal(alpha[:, 0], alpha[:, 1])  # each half keeps its own global scale
+    for layer, name, rows, w_out, s_out, alpha in routed_expert_parts(src, out):
+        if layer.startswith("mtp."):  # MXFP4 MTP experts: effective scales exact
+            assert_mxfp4_scales_exact(src, name, rows, w_out, s_out, alpha)
+            checked_mx += 1
+            continue
+        assert torch.equal(w_out, src.get(f"{name}.weight_packed")), name
+        assert torch.equal(s_out, src.get(f"{name}.weight_scale").view(torch.uint8)), name
+        gs = float(src.get(f"{name}.weight_global_scale"))
+        assert alpha == _reciprocal_f32(gs), name  # float32(1 / gs), correctly rounded
+        assert abs(alpha * gs - 1.0) <= 2.0**-24, name
+        checked_ct += 1
     assert checked_ct > 0 and checked_mx > 0
+    cfg = json.loads((src.root / "config.json").read_text())
+    for i in range(cfg["num_hidden_layers"]):  # each half of w13 keeps its own global scale
+        alpha = out.get(f"layers.{i}.ffn.experts.w13.alpha")
+        assert not torch.equal(alpha[:, 0], alpha[:, 1])
 
 
 def test_manifest_is_honest_about_non_power_of_two_scales(ct):

@@ -82,37 +82,51 @@ def _expert_layers(cfg: dict) -> list[str]:
         [f"mtp.{i}" for i in range(cfg.get("num_nextn_predict_layers", 0))]
 
 
-@pytest.mark.parametrize("variant", ["flash", "pro", "modelopt"])
-def test_expert_nibbles_and_scales_follow_the_spec(converted, variant):
-    src, out, _ = converted[variant]
+def routed_expert_parts(src: Checkpoint, out: Checkpoint):
+    """Every routed-expert part of a conversion, un-swizzled and de-interleaved by the spec's own formulas:
+    yields (layer, source part name, rows, packed codes, scale bytes, alpha), after checking each stacked
+    tensor's dtype and shape (alpha [E, 2] for w13, [E] for w2)."""
     cfg = json.loads((src.root / "config.json").read_text())
     hidden, inter, n_exp = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
-    checked_mx = checked_nv = 0
     for layer in _expert_layers(cfg):
         for fused, parts, rows, cols in (("w13", ("w1", "w3"), inter, hidden), ("w2", ("w2",), hidden, inter)):
             base = f"{layer}.ffn.experts.{fused}"
             weight, scale, alpha = out.get(f"{base}.weight"), out.get(f"{base}.weight_scale"), out.get(f"{base}.alpha")
             assert weight.dtype == torch.uint8 and weight.shape == (n_exp, len(parts) * rows, cols // 2)
             assert alpha.dtype == torch.float32 and alpha.shape == ((n_exp, 2) if len(parts) == 2 else (n_exp,))
-            alpha = alpha.reshape(n_exp, -1).expand(-1, len(parts))
+            alpha = alpha.reshape(n_exp, -1)
             for e in range(n_exp):
                 s = spec_unswizzle(scale[e], len(parts) * rows, cols // 16)
                 w_parts = spec_deinterleave(weight[e]) if len(parts) == 2 else (weight[e],)
                 s_parts = spec_deinterleave(s) if len(parts) == 2 else (s,)
                 for j, (p, w_out, s_out) in enumerate(zip(parts, w_parts, s_parts)):
-                    name = f"{layer}.ffn.experts.{e}.{p}"
-                    assert torch.equal(w_out, src.get(f"{name}.weight").view(torch.uint8)), name
-                    eff = e4m3(s_out) * float(alpha[e, j])
-                    if f"{name}.scale" in src.names():  # MXFP4: exact powers of two on non-zero blocks
-                        want = e8m0(src.get(f"{name}.scale")).repeat_interleave(2, dim=1)
-                        codes = torch.stack((w_out & 7, (w_out >> 4) & 7), -1).reshape(rows, -1, 32)
-                        nonzero = (codes != 0).any(-1).repeat_interleave(2, dim=1)
-                        assert torch.equal(eff[nonzero], want[nonzero]), name
-                        checked_mx += 1
-                    else:  # ModelOpt: scale bytes and each half's weight_scale_2 kept exactly
-                        assert torch.equal(s_out, src.get(f"{name}.weight_scale").view(torch.uint8)), name
-                        assert float(alpha[e, j]) == float(src.get(f"{name}.weight_scale_2")), name
-                        checked_nv += 1
+                    yield layer, f"{layer}.ffn.experts.{e}.{p}", rows, w_out, s_out, float(alpha[e, j])
+
+
+def assert_mxfp4_scales_exact(src: Checkpoint, name: str, rows: int, w_out, s_out, alpha: float) -> None:
+    """An MXFP4 part: codes copied, and its effective scales (E4M3 byte x alpha) the source's powers of two on
+    every non-zero 32-block (all-zero blocks may take any scale)."""
+    assert torch.equal(w_out, src.get(f"{name}.weight").view(torch.uint8)), name
+    eff = e4m3(s_out) * alpha
+    want = e8m0(src.get(f"{name}.scale")).repeat_interleave(2, dim=1)
+    codes = torch.stack((w_out & 7, (w_out >> 4) & 7), -1).reshape(rows, -1, 32)
+    nonzero = (codes != 0).any(-1).repeat_interleave(2, dim=1)
+    assert torch.equal(eff[nonzero], want[nonzero]), name
+
+
+@pytest.mark.parametrize("variant", ["flash", "pro", "modelopt"])
+def test_expert_nibbles_and_scales_follow_the_spec(converted, variant):
+    src, out, _ = converted[variant]
+    checked_mx = checked_nv = 0
+    for _layer, name, rows, w_out, s_out, alpha in routed_expert_parts(src, out):
+        if f"{name}.scale" in src.names():  # MXFP4: exact powers of two on non-zero blocks
+            assert_mxfp4_scales_exact(src, name, rows, w_out, s_out, alpha)
+            checked_mx += 1
+        else:  # ModelOpt: codes, scale bytes and each half's weight_scale_2 kept exactly
+            assert torch.equal(w_out, src.get(f"{name}.weight").view(torch.uint8)), name
+            assert torch.equal(s_out, src.get(f"{name}.weight_scale").view(torch.uint8)), name
+            assert alpha == float(src.get(f"{name}.weight_scale_2")), name
+            checked_nv += 1
     assert checked_mx > 0
     assert variant != "modelopt" or checked_nv > 0
 
