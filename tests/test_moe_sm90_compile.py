@@ -84,6 +84,9 @@ def test_wgmma_heuristics_and_bad_config():
     assert pick_row_tiles(1, 6, 256, 4096, 132) == 1 and pick_row_tiles(4, 6, 256, 4096, 132) == 2
     assert pick_row_tiles(1, 6, 384, 6144, 132) == 2
     assert wgmma_shape(32) == {"warpgroups": 1, "depth": 4} and wgmma_shape(128) == {}
+    # a shape whose rows do not fill 128-row CTAs keeps one row tile at any T
+    odd = Sm90NvFp4MoE(hidden=192, intermediate=96, experts=8, top_k=2, swiglu_limit=None, max_tokens=64, device="cpu")
+    assert {odd.config(t)[2] for t in range(1, 65)} == {1}
     from nvfp4_megamoe.kernels.sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm
     assert not use_wgmma(64, 6, 256) and use_wgmma(4096, 6, 256)
     assert pick_wgmma_tile_tokens(1024, 6, 256) == 32 and pick_wgmma_tile_tokens(4096, 6, 256) == 128
