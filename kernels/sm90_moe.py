@@ -33,13 +33,14 @@ TILE_TOKEN_CHOICES = (8, 16, 32, 64)
 WGMMA_MIN_MEAN = 8.0  # mean routed pairs per expert from which the WGMMA (prefill) kernels run
 
 
+def _smallest_tile(need: float, choices: tuple[int, ...]) -> int:
+    """The smallest of ``choices`` (ascending) that holds ``need`` tokens, else the largest."""
+    return next((bn for bn in choices if need <= bn), choices[-1])
+
+
 def pick_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
     """Tokens per work tile: about twice the mean pairs per expert, in {8, 16, 32, 64}."""
-    mean = tokens * top_k / max(experts, 1)
-    for bn in TILE_TOKEN_CHOICES:
-        if 2 * mean <= bn:
-            return bn
-    return TILE_TOKEN_CHOICES[-1]
+    return _smallest_tile(2 * (tokens * top_k / max(experts, 1)), TILE_TOKEN_CHOICES)
 
 
 def pick_row_tiles(tokens: int, top_k: int, experts: int, rows: int, sms: int) -> int:
@@ -67,11 +68,7 @@ def wgmma_shape(tile_tokens: int) -> dict:
 
 def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
     """Token tile N of the WGMMA kernels: the smallest of 32, 48, .., 128 that holds 1.25x the mean pairs per expert."""
-    mean = tokens * top_k / max(experts, 1)
-    for bn in WGMMA_TILE_TOKENS:
-        if 1.25 * mean <= bn:
-            return bn
-    return WGMMA_TILE_TOKENS[-1]
+    return _smallest_tile(1.25 * (tokens * top_k / max(experts, 1)), WGMMA_TILE_TOKENS)
 
 
 class Sm90NvFp4MoE:
@@ -143,12 +140,11 @@ class Sm90NvFp4MoE:
         w, sc = torch.empty(1, 1, 16, **u8), torch.empty(1, 16, **u8)
         x, out = torch.empty(1, 16, dtype=torch.bfloat16, device=dev), torch.empty(1, 16, **f32)
         ids, wts = torch.empty(p, dtype=ids_dtype, device=dev), torch.empty(p, **f32)
+        common = [self.token_of[:p], self.weight_of[:p], self.tiles, self.num_tiles]
         configs = {self.config(n) for n in range(1, self.max_tokens + 1)}
         for bn, wg, rt in configs:
             routing, l1, l2 = self.kernels(bn, wg, rt)
-            common = [self.token_of[:p], self.weight_of[:p], self.tiles, self.num_tiles]
-            _compile(routing, [ids, wts, self.token_of[:p], self.weight_of[:p], self.tiles, self.num_tiles,
-                               self.rank[:p]])
+            _compile(routing, [ids, wts, *common, self.rank[:p]])
             _compile(l1, [w, sc, torch.empty(2, **f32), x, *common, self.hbuf[:p], out])
             _compile(l2, [w, sc, torch.empty(1, **f32), self.hbuf[:p], *common, out, out])
         return len(configs)
