@@ -63,6 +63,16 @@ def make_inputs(b: int, h: int, kind: str, ctx: int, top_k: int, gen: torch.Gene
     return dict(q=q, kvw=kvw, wlen=wlen, kvc=kvc, idx=idx, sink=sink, entries=entries)
 
 
+def _time_into(row: dict, name: str, fn, timer: ColdTimer, reps: int) -> None:
+    """``row[name + "_us"]``: median graph replay of ``fn``; or ``row[name + "_error"]`` if it cannot run."""
+    try:
+        g = capture(fn)
+        row[f"{name}_us"] = timer.time(g, reps)
+        del g
+    except Exception as e:  # noqa: BLE001 - reported in the row, the run goes on
+        row[f"{name}_error"] = repr(e)[:300]
+
+
 def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
     from nvfp4_megamoe.kernels.decode_attention_reference import decode_attention_torch
     from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention, pick_splits
@@ -75,6 +85,11 @@ def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
                 for kind in ("CSA", "HCA"):
                     x = make_inputs(b, h, kind, ctx, top_k, gen)
                     out = torch.empty(b, h, D, dtype=torch.bfloat16, device="cuda")
+
+                    def ours_with(**kw):  # another configuration of ours, into its own output
+                        out_kw = torch.empty_like(out)
+                        return lambda: decode_attention(x["q"], x["kvw"], x["wlen"], x["kvc"], x["idx"], x["sink"],
+                                                        SCALE, out=out_kw, **kw)
                     ours = lambda: decode_attention(x["q"], x["kvw"], x["wlen"], x["kvc"], x["idx"], x["sink"],  # noqa: E731
                                                     SCALE, out=out)
                     ref_out = {}
@@ -86,36 +101,12 @@ def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
                     row = dict(model=model, heads=h, batch=b, context=ctx, kind=kind, entries=WINDOW + x["entries"],
                                bytes=nbytes, floor_us=nbytes / copy_bw * 1e6,
                                splits=pick_splits(b, h, WINDOW + x["entries"], sms))
-                    try:
-                        g = capture(ours)
-                        row["ours_us"] = timer.time(g, args.reps)
-                        del g
-                    except Exception as e:  # noqa: BLE001
-                        row["ours_error"] = repr(e)[:300]
+                    _time_into(row, "ours", ours, timer, args.reps)
                     for n_split in args.splits:  # other split counts than pick_splits', for the record
-                        out3 = torch.empty_like(out)
-                        try:
-                            g = capture(lambda: decode_attention(x["q"], x["kvw"], x["wlen"], x["kvc"], x["idx"],
-                                                                 x["sink"], SCALE, out=out3, splits=n_split))
-                            row[f"ours_s{n_split}_us"] = timer.time(g, args.reps)
-                            del g
-                        except Exception as e:  # noqa: BLE001
-                            row[f"ours_s{n_split}_error"] = repr(e)[:300]
+                        _time_into(row, f"ours_s{n_split}", ours_with(splits=n_split), timer, args.reps)
                     if args.variants:  # the other P @ V tiling, for the record
-                        out2 = torch.empty_like(out)
-                        try:
-                            g = capture(lambda: decode_attention(x["q"], x["kvw"], x["wlen"], x["kvc"], x["idx"],
-                                                                 x["sink"], SCALE, out=out2, pv_heads=16))
-                            row["ours_pv16_us"] = timer.time(g, args.reps)
-                            del g
-                        except Exception as e:  # noqa: BLE001
-                            row["ours_pv16_error"] = repr(e)[:300]
-                    try:
-                        g = capture(torch_fn)
-                        row["torch_us"] = timer.time(g, max(3, args.reps // 2))
-                        del g
-                    except Exception as e:  # noqa: BLE001
-                        row["torch_error"] = repr(e)[:300]
+                        _time_into(row, "ours_pv16", ours_with(pv_heads=16), timer, args.reps)
+                    _time_into(row, "torch", torch_fn, timer, max(3, args.reps // 2))
                     if "ours_us" in row and "o" in ref_out:
                         ours()
                         torch.cuda.synchronize()
