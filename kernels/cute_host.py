@@ -5,16 +5,21 @@ in-process by (class, key, operand dtypes and ranks), with shapes left dynamic, 
 serves every token count. With ``CUTE_DSL_ARCH=sm_90a`` and CPU tensors :func:`compile_op`
 builds the sm_90a binary without a GPU (the CI compile tests).
 
-On disk: ``cute.compile`` bypasses CuTeDSL's own file cache, so when ``NVFP4_MEGAMOE_KERNEL_CACHE``
-names a folder, each compiled kernel is also written there as an object file (``dump_to_object``)
-and later processes load it (``cute.runtime.load_module``) instead of compiling. The file name hashes
+On disk: ``cute.compile`` bypasses CuTeDSL's own file cache, so each compiled kernel is also written
+as an object file (``dump_to_object``) to a folder, and later processes load it
+(``cute.runtime.load_module``) instead of compiling. The folder is ``$NVFP4_MEGAMOE_KERNEL_CACHE``,
+by default ``$XDG_CACHE_HOME/nvfp4_megamoe/kernels`` (``~/.cache/nvfp4_megamoe/kernels`` without
+it); ``0``, ``off``, ``false``, ``none`` or an empty value turn the disk cache off. The file name hashes
 the in-process key, the operands' alignments, the target, the CuTeDSL version and the source of every
 module in ``kernels/``, so an edited kernel or another toolchain never loads a stale binary; a file
-that fails to load is compiled again. Off by default until a GPU run has checked loaded kernels.
+that fails to load is compiled again, and a folder that cannot be written warns once and leaves the
+kernels in-process. ``tests/test_moe_sm90_gpu.py`` checks that loaded kernels compute what compiled
+ones do (passed on an H200).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import warnings
@@ -25,6 +30,8 @@ import torch
 
 _COMPILED: dict[tuple, Callable] = {}
 CACHE_ENV = "NVFP4_MEGAMOE_KERNEL_CACHE"
+_CACHE_OFF = {"", "0", "off", "false", "none"}
+_UNWRITABLE: set[Path] = set()  # cache folders a store failed in: warned once, not tried again
 _SOURCE_DIGEST: str | None = None
 
 
@@ -57,21 +64,37 @@ def _source_digest() -> str:
     return _SOURCE_DIGEST
 
 
+def cache_folder() -> Path | None:
+    """The on-disk kernel cache: ``$NVFP4_MEGAMOE_KERNEL_CACHE``, else the user's cache folder; None when off."""
+    value = os.environ.get(CACHE_ENV)
+    if value is not None:
+        return None if value.strip().lower() in _CACHE_OFF else Path(value).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    try:  # the XDG spec ignores a relative XDG_CACHE_HOME
+        base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    except RuntimeError:  # no home folder to resolve: nowhere to keep it
+        return None
+    return base / "nvfp4_megamoe" / "kernels"
+
+
 def _cache_file(key: tuple, tensors: list[torch.Tensor]) -> tuple[Path, str] | None:
     """(object file, symbol prefix) of this compile in the on-disk cache, or None when it is off."""
-    folder = os.environ.get(CACHE_ENV)
-    if not folder:
+    folder = cache_folder()
+    if folder is None or folder in _UNWRITABLE:
         return None
     target = os.environ.get("CUTE_DSL_ARCH") or (
         "sm_%d%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else "cpu")
     ident = repr((key, tuple(_alignment(t) for t in tensors), target, _source_digest()))
     digest = hashlib.sha256(ident.encode()).hexdigest()
-    return Path(folder) / f"{digest}.o", f"k{digest[:24]}"
+    return folder / f"{digest}.o", f"k{digest[:24]}"
 
 
 def _load_cached(where: tuple[Path, str]) -> Callable | None:
     path, prefix = where
-    if not path.is_file():
+    try:
+        if not path.is_file():
+            return None
+    except OSError:  # an unreadable folder (permissions): compile; the store then warns about the folder
         return None
     try:
         from cutlass.cute.runtime import load_module
@@ -86,12 +109,21 @@ def _store_cached(where: tuple[Path, str], fn) -> None:
     path, prefix = where
     try:
         data = fn.dump_to_object(prefix)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # another process writing the same kernel writes the same bytes
     except Exception as exc:  # noqa: BLE001 - the cache is an optimisation: the compiled kernel still serves
         warnings.warn(f"{path}: could not cache the compiled kernel ({exc})", stacklevel=3)
+        return
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # another process writing the same kernel writes the same bytes
+    except OSError as exc:  # read-only, full, not a folder: every later store would fail the same way
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        _UNWRITABLE.add(path.parent)
+        warnings.warn(f"kernel cache {path.parent} is not writable ({exc}); compiled kernels stay in this "
+                      f"process only (set {CACHE_ENV} to another folder, or to 0 to turn the disk cache off)",
+                      stacklevel=3)
 
 
 def current_stream():
@@ -102,7 +134,7 @@ def current_stream():
 
 
 def compile_op(op, tensors: list[torch.Tensor], stream=None) -> Callable:
-    """Compile ``op`` for these tensors' dtypes and ranks (shapes stay dynamic), cached in-process."""
+    """Compile ``op`` for these tensors' dtypes and ranks (shapes stay dynamic), cached in-process and on disk."""
     key = (type(op).__name__, op.key(), tuple((t.dtype, t.dim()) for t in tensors))
     fn = _COMPILED.get(key)
     if fn is None:

@@ -13,7 +13,7 @@ From ``WGMMA_MIN_MEAN`` routed pairs per expert on (prefill), steps 2 and 3 run 
 
 Weights are format 1 as written by ``convert`` (``docs/format.md``); the contract of each operand is
 in ``sm90_moe_gemm``. Compiled kernels are cached in-process by their static configuration (and on
-disk when ``NVFP4_MEGAMOE_KERNEL_CACHE`` names a folder, see ``cute_host``); :meth:`Sm90NvFp4MoE.warmup`
+disk unless ``NVFP4_MEGAMOE_KERNEL_CACHE=0``, see ``cute_host``); :meth:`Sm90NvFp4MoE.warmup`
 compiles every configuration a layer can pick (:meth:`Sm90NvFp4MoE.config` for each T up to
 ``max_tokens``), so that no call compiles.
 """

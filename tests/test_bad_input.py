@@ -141,7 +141,7 @@ def test_nan_and_inf_found_while_converting(pristine, tmp_path, variant, tensor,
     shutil.copytree(pristine[variant], src)
     shard = _poke(src, tensor, data, at=4)
     out = tmp_path / "out"
-    msg = _refused(src, out, tensor, what, shard.name, "expected finite values")
+    _refused(src, out, tensor, what, shard.name, "expected finite values")
     assert out.exists()  # found while converting, after the output folder was made ...
     assert not list(out.glob(".*.partial"))  # ... and unfinished shards were removed
 

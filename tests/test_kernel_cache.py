@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -28,6 +29,7 @@ def _routing_args(pairs: int = 18) -> list[torch.Tensor]:
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv(cute_host.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cute_host, "_COMPILED", {})
+    monkeypatch.setattr(cute_host, "_UNWRITABLE", set())
     return tmp_path
 
 
@@ -64,9 +66,52 @@ def test_a_damaged_file_is_compiled_again_and_replaced(cache, monkeypatch):
     assert path.stat().st_size > 1000  # the fresh compile took its place
 
 
-def test_off_without_the_variable(tmp_path, monkeypatch):
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh process with an empty home: no cache variable, nothing compiled, HOME in tmp."""
     monkeypatch.delenv(cute_host.CACHE_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setattr(cute_host, "_COMPILED", {})
+    monkeypatch.setattr(cute_host, "_UNWRITABLE", set())
     monkeypatch.chdir(tmp_path)
+    return tmp_path / "home"
+
+
+def test_on_by_default_in_the_user_cache(home):
     cute_host.compile_op(Sm90MoeRouting(experts=32, top_k=2, tile_tokens=8), _routing_args(6))
+    folder = home / ".cache" / "nvfp4_megamoe" / "kernels"
+    assert cute_host.cache_folder() == folder and len(list(folder.glob("*.o"))) == 1
+
+
+def test_default_follows_xdg_cache_home(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cute_host.cache_folder() == tmp_path / "xdg" / "nvfp4_megamoe" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # the XDG spec says to ignore it
+    assert cute_host.cache_folder() == home / ".cache" / "nvfp4_megamoe" / "kernels"
+    monkeypatch.setenv(cute_host.CACHE_ENV, str(tmp_path / "mine"))  # the variable wins
+    assert cute_host.cache_folder() == tmp_path / "mine"
+
+
+@pytest.mark.parametrize("value", ["0", "off", "OFF", "false", "None", "", " off "])
+def test_turned_off(value, home, monkeypatch):
+    monkeypatch.setenv(cute_host.CACHE_ENV, value)
+    assert cute_host.cache_folder() is None
+
+
+def test_turned_off_writes_nothing(home, tmp_path, monkeypatch):
+    monkeypatch.setenv(cute_host.CACHE_ENV, "off")
+    assert cute_host.compile_op(Sm90MoeRouting(experts=32, top_k=2, tile_tokens=8), _routing_args(6)) is not None
     assert not any(tmp_path.rglob("*.o"))
+
+
+def test_an_unwritable_folder_warns_once_and_compiles(cache, monkeypatch):
+    (cache / "a_file").write_bytes(b"")  # a folder below a file cannot be made, whoever runs the test (root too)
+    monkeypatch.setenv(cute_host.CACHE_ENV, str(cache / "a_file" / "kernels"))
+    with pytest.warns(UserWarning, match="not writable"):
+        fn = cute_host.compile_op(Sm90MoeRouting(experts=32, top_k=2, tile_tokens=8), _routing_args(6))
+    assert type(fn).__name__.endswith("JitCompiledFunction")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the next kernel neither warns nor tries the folder again
+        fn = cute_host.compile_op(Sm90MoeRouting(experts=32, top_k=2, tile_tokens=16), _routing_args(6))
+    assert type(fn).__name__.endswith("JitCompiledFunction") and not any(cache.rglob("*.o"))

@@ -113,7 +113,7 @@ def test_refuses_nonempty(tmp_path):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_transformers_config(ckpts, variant):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers import AutoConfig, DeepseekV4Config, DeepseekV4ForCausalLM
 
     path = ckpts[variant]
