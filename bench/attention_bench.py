@@ -104,14 +104,20 @@ def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
                     _time_into(row, "ours", ours, timer, args.reps)
                     for n_split in args.splits:  # other split counts than pick_splits', for the record
                         _time_into(row, f"ours_s{n_split}", ours_with(splits=n_split), timer, args.reps)
-                    if args.variants:  # the other P @ V tiling, for the record
-                        _time_into(row, "ours_pv16", ours_with(pv_heads=16), timer, args.reps)
+                    variant_outs = {}
+                    for name, tiling in args.variants.items():  # other kernel configurations, side by side
+                        fn = ours_with(**tiling)
+                        _time_into(row, f"ours_{name}", fn, timer, args.reps)
+                        variant_outs[name] = fn
                     _time_into(row, "torch", torch_fn, timer, max(3, args.reps // 2))
                     if "ours_us" in row and "o" in ref_out:
                         ours()
                         torch.cuda.synchronize()
                         r = ref_out["o"].double()
                         row["relerr_vs_torch"] = float((out.double() - r).norm() / r.norm())
+                        for name, fn in variant_outs.items():
+                            if f"ours_{name}_us" in row:
+                                row[f"relerr_{name}_vs_torch"] = float((fn().double() - r).norm() / r.norm())
                     if "ours_us" in row:
                         row["frac_of_copy_bw"] = row["floor_us"] / row["ours_us"]
                         row["ours_TBps"] = nbytes / row["ours_us"] * 1e-6
@@ -204,7 +210,9 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     p.add_argument("--contexts", type=int, nargs="*", default=list(CONTEXTS))
     p.add_argument("--no-indexer", action="store_true")
-    p.add_argument("--variants", action="store_true", help="also time the pv_heads=16 tiling")
+    p.add_argument("--variants", type=json.loads, default={},
+                   help='other configurations of ours as JSON {name: decode_attention keyword arguments}, e.g. '
+                        '\'{"pv16": {"pv_heads": 16}, "wg": {"wgmma": true}}\'')
     p.add_argument("--splits", type=int, nargs="*", default=[],
                    help="also time ours with these fixed flash-decoding split counts (ours_s<N>_us)")
     p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="only draw the plot of a results file")

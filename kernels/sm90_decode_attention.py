@@ -480,10 +480,10 @@ class Sm90DecodeAttentionCombine:
 _WORKSPACE: dict[tuple, tuple] = {}
 
 
-def pick_splits(batch: int, heads: int, entries: int, sms: int = 132) -> int:
+def pick_splits(batch: int, heads: int, entries: int, sms: int = 132, chunk: int = CHUNK) -> int:
     """Splits per (request, head block): at most one wave of CTAs (one CTA per SM), no empty split;
     no split at all once the requests alone fill the SMs (no partials, no combine)."""
-    n_chunks = max(1, -(-entries // CHUNK))
+    n_chunks = max(1, -(-entries // chunk))
     ctas = batch * (heads // HEADS_PER_CTA)
     splits = max(1, min(n_chunks, sms // ctas))
     cps = -(-n_chunks // splits)
@@ -491,7 +491,7 @@ def pick_splits(batch: int, heads: int, entries: int, sms: int = 132) -> int:
 
 
 def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, scale: float, *,
-                     out=None, splits: int | None = None, pv_heads: int = 32):
+                     out=None, splits: int | None = None, wgmma: bool = False, **tiling):
     """One decode step of DeepSeek-V4 attention on Hopper (sm_90a); returns BF16 ``out`` [B, H, 512].
 
     Args (contract and semantics: ``decode_attention_reference``; everything contiguous, on one GPU):
@@ -503,7 +503,8 @@ def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, sca
             to attend to all N entries (HCA).
         sink: float32 [H]. scale: the logit scale (512**-0.5).
         out: optional bf16 [B, H, 512] to write into. splits: override the flash-decoding split count.
-        pv_heads: the P @ V warp tiling (:class:`Sm90DecodeAttention`).
+        wgmma: use the warpgroup-MMA split kernel (``sm90_decode_attention_wgmma``); ``tiling``: the
+            kernel's options (``pv_heads``; with ``wgmma``: ``chunk``, ``stages``).
 
     No host sync and no allocation once a shape has been seen (split workspaces are cached per
     shape), so the call is CUDA-graph capturable after one warm-up call. The output is not inverse-RoPE'd.
@@ -534,16 +535,22 @@ def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, sca
         out = torch.empty(b, h, d, dtype=torch.bfloat16, device=q.device)
     _expect(out.dtype == torch.bfloat16 and tuple(out.shape) == (b, h, d) and out.is_contiguous(),
             "out must be contiguous bf16 [B, H, 512]")
+    if wgmma:
+        from .sm90_decode_attention_wgmma import Sm90DecodeAttentionWgmma
+        kernel = Sm90DecodeAttentionWgmma(mode=mode, scale=scale, **tiling)
+    else:
+        kernel = Sm90DecodeAttention(mode=mode, scale=scale, **tiling)
+    chunk = getattr(kernel, "chunk", CHUNK)
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        splits = pick_splits(b, h, w + k, sms)
+        splits = pick_splits(b, h, w + k, sms, chunk)
     _expect(1 <= splits <= MAX_SPLITS, f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     wkey = (q.device, b, h, splits)
     if wkey not in _WORKSPACE:
         o_part = torch.empty((b, h, splits, d) if splits > 1 else (1, 1, 1, 4), dtype=torch.float32, device=q.device)
         _WORKSPACE[wkey] = (o_part, torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device))
     o_part, ml = _WORKSPACE[wkey]
-    _launch(Sm90DecodeAttention(mode=mode, scale=scale, pv_heads=pv_heads), [q, kv_window, window_len, kvc, idx, sink, out, o_part, ml])
+    _launch(kernel, [q, kv_window, window_len, kvc, idx, sink, out, o_part, ml])
     if splits > 1:
         _launch(Sm90DecodeAttentionCombine(groups=4 if splits >= 8 else 1), [o_part, ml, sink, out])
     return out

@@ -196,31 +196,48 @@ def f32x2_to_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
 
 # --- WGMMA (prefill path, ``sm90_moe_wgmma``) ---
 
+def _wgmma_bf16(acc: list, a_args: list, a_cons: list, a_text: str, desc_b: Int64, accumulate: bool,
+                imm_tail: str, loc, ip) -> list:
+    """``wgmma.mma_async ... m64nNk16.f32.bf16.bf16`` on this thread's N/2 accumulators (N = 2 * len(acc))."""
+    n_acc = len(acc)
+    args = [Float32(v).ir_value(loc=loc, ip=ip) for v in acc] + a_args
+    args.append(Int64(desc_b).ir_value(loc=loc, ip=ip))
+    args.append(Int32(1 if accumulate else 0).ir_value(loc=loc, ip=ip))
+    d = ", ".join(f"${i}" for i in range(n_acc))
+    n_a = len(a_args)
+    # operands: outputs 0..n_acc-1, tied inputs n_acc..2n_acc-1, A 2n_acc.., desc_b, scale-d
+    a = a_text.format(*[f"${2 * n_acc + i}" for i in range(n_a)])
+    cons = ",".join(["=f"] * n_acc + [str(i) for i in range(n_acc)] + a_cons + ["l", "r"])
+    res = llvm.inline_asm(
+        _struct(n_acc, "f32"), args,
+        "{.reg .pred p;\n\t"
+        f"setp.ne.b32 p, ${2 * n_acc + n_a + 1}, 0;\n\t"
+        f"wgmma.mma_async.sync.aligned.m64n{2 * n_acc}k16.f32.bf16.bf16 {{{d}}}, {a}, ${2 * n_acc + n_a}, p, "
+        f"{imm_tail};}}",
+        cons, has_side_effects=True, loc=loc, ip=ip)
+    return list(_unpack(res, n_acc, T.f32(), Float32, loc, ip))
+
+
 @dsl_user_op
-def wgmma_bf16_rs(acc: list, a0: Int32, a1: Int32, a2: Int32, a3: Int32, desc_b: Int64, *, loc=None, ip=None) -> list:
+def wgmma_bf16_rs(acc: list, a0: Int32, a1: Int32, a2: Int32, a3: Int32, desc_b: Int64, tnsp_b: bool = False,
+                  *, loc=None, ip=None) -> list:
     """``wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16`` with A from registers, N = 2 * len(acc).
 
     ``acc`` are this thread's N/2 float32 accumulators (D = A B + D); A is the mma.sync-style
     fragment of the warp's 16 rows of the m64 tile; ``desc_b`` the shared-memory descriptor of B
-    (N x 16, K-major). Asynchronous: pair with ``warpgroup.fence/commit_group/wait_group``.
+    (N x 16, K-major; MN-major with ``tnsp_b``). Asynchronous: pair with ``warpgroup.fence/commit_group/wait_group``.
     """
-    n_acc = len(acc)
-    n = 2 * n_acc
-    args = [Float32(v).ir_value(loc=loc, ip=ip) for v in acc]
-    args += [Int32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3)]
-    args.append(Int64(desc_b).ir_value(loc=loc, ip=ip))
-    args.append(Int32(1).ir_value(loc=loc, ip=ip))
-    d = ", ".join(f"${i}" for i in range(n_acc))
-    cons = ",".join(["=f"] * n_acc + [str(i) for i in range(n_acc)] + ["r"] * 4 + ["l", "r"])
-    # operands: outputs 0..n_acc-1, tied inputs n_acc..2n_acc-1, A 2n_acc..2n_acc+3, desc 2n_acc+4
-    a = ", ".join(f"${2 * n_acc + i}" for i in range(4))
-    res = llvm.inline_asm(
-        _struct(n_acc, "f32"), args,
-        "{.reg .pred p;\n\t"
-        f"setp.ne.b32 p, ${2 * n_acc + 5}, 0;\n\t"
-        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, {{{a}}}, ${2 * n_acc + 4}, p, 1, 1, 0;}}",
-        cons, has_side_effects=True, loc=loc, ip=ip)
-    return list(_unpack(res, n_acc, T.f32(), Float32, loc, ip))
+    a_args = [Int32(v).ir_value(loc=loc, ip=ip) for v in (a0, a1, a2, a3)]
+    return _wgmma_bf16(acc, a_args, ["r"] * 4, "{{{0}, {1}, {2}, {3}}}", desc_b, True,
+                       f"1, 1, {int(tnsp_b)}", loc, ip)
+
+
+@dsl_user_op
+def wgmma_bf16_ss(acc: list, desc_a: Int64, desc_b: Int64, accumulate: bool = True, *, loc=None, ip=None) -> list:
+    """As :func:`wgmma_bf16_rs` with A (64 x 16, K-major) from shared memory too, B K-major; without
+    ``accumulate`` D = A B (the incoming ``acc`` values are ignored)."""
+    return _wgmma_bf16(acc, [Int64(desc_a).ir_value(loc=loc, ip=ip)], ["l"], "{0}", desc_b, accumulate,
+                       "1, 1, 0, 0", loc, ip)
 
 
 @dsl_user_op
@@ -241,12 +258,16 @@ def st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
         "st.shared.b32 [$0], $1;", "r,r", has_side_effects=True, loc=loc, ip=ip)
 
 
-SW128_DESC_HI = (1 << 62) | ((1024 >> 4) << 32) | (1 << 16)  # 128B swizzle, SBO = 1024 B, LBO = 16 B (unused)
+SW128_DESC_HI = (1 << 62) | ((1024 >> 4) << 32)  # 128B swizzle, SBO = 1024 B (8-row groups)
 
 
-def smem_desc_sw128(addr: Int32) -> Int64:
-    """WGMMA descriptor of a K-major, 128-byte-swizzled tile at shared address ``addr`` (8-row groups 1024 B apart)."""
-    return (Int64(addr) >> 4) & Int64(0x3FFF) | Int64(SW128_DESC_HI)
+def smem_desc_sw128(addr: Int32, lbo: int = 16) -> Int64:
+    """WGMMA descriptor of a 128-byte-swizzled tile at shared address ``addr``, 8-row groups 1024 B apart.
+
+    K-major: rows of 64 K-elements, ``lbo`` unused. MN-major (B with ``tnsp_b``): rows of 64 N-elements
+    (each K index one 128-byte row), and ``lbo`` the byte stride between such 64-column blocks along N.
+    """
+    return (Int64(addr) >> 4) & Int64(0x3FFF) | Int64(SW128_DESC_HI | ((lbo >> 4) << 16))
 
 
 # --- decode attention (``sm90_decode_attention``): cp.async gathers, ldmatrix, shared/global I/O ---
@@ -299,6 +320,18 @@ def ld_shared_f32(smem: Int32, *, loc=None, ip=None) -> Float32:
 def st_shared_f32(smem: Int32, v: Float32, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [_i32(smem, loc, ip), _f32(v, loc, ip)], "st.shared.f32 [$0], $1;", "r,f",
                     has_side_effects=True, loc=loc, ip=ip)
+
+
+def st_shared_v4_f32(smem: Int32, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [_i32(smem, loc, ip)] + [_f32(v, loc, ip) for v in (a, b, c, d)],
+                    "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f", has_side_effects=True, loc=loc, ip=ip)
+
+
+def ld_shared_v4_f32(smem: Int32, *, loc=None, ip=None) -> tuple[Float32, Float32, Float32, Float32]:
+    res = llvm.inline_asm(
+        _struct(4, "f32"), [_i32(smem, loc, ip)],
+        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r", has_side_effects=True, loc=loc, ip=ip)
+    return _unpack(res, 4, T.f32(), Float32, loc, ip)
 
 
 def st_global_b32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:

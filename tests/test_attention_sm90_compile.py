@@ -120,6 +120,28 @@ def test_decode_attention_compiles_sm90a(mode, pv_heads):
             assert compile_op(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]]) is not None
 
 
+@pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
+@pytest.mark.parametrize("mode,chunk,stages", [("indexed", 64, 2), ("dense", 32, 4), ("window", 16, 8)])
+def test_wgmma_decode_attention_compiles_sm90a(mode, chunk, stages):
+    from nvfp4_megamoe.kernels.cute_host import compile_op
+    from nvfp4_megamoe.kernels.sm90_decode_attention_wgmma import Sm90DecodeAttentionWgmma
+    b, h, w, n, k, s = 2, 128, 128, 40, 16, 3
+    bf = dict(dtype=torch.bfloat16)
+    args = [torch.zeros(b, h, 512, **bf), torch.zeros(b, w, 512, **bf), torch.zeros(b, dtype=torch.int32),
+            torch.zeros(b, n, 512, **bf), torch.zeros(b, k, dtype=torch.int32), torch.zeros(h),
+            torch.zeros(b, h, 512, **bf), torch.zeros(b, h, s, 512), torch.zeros(b, h, s, 2)]
+    op = Sm90DecodeAttentionWgmma(mode=mode, scale=512 ** -0.5, chunk=chunk, stages=stages)
+    assert compile_op(op, args) is not None
+
+
+def test_wgmma_configuration_checked():
+    from nvfp4_megamoe.kernels.sm90_decode_attention_wgmma import Sm90DecodeAttentionWgmma
+    with pytest.raises(ValueError, match="chunk"):
+        Sm90DecodeAttentionWgmma(mode="dense", scale=1.0, chunk=48)
+    with pytest.raises(ValueError, match="shared memory"):
+        Sm90DecodeAttentionWgmma(mode="dense", scale=1.0, chunk=64, stages=3)
+
+
 def test_bad_mode_rejected():
     from nvfp4_megamoe.kernels.sm90_decode_attention import Sm90DecodeAttention
     with pytest.raises(ValueError, match="mode"):

@@ -64,14 +64,23 @@ CASES = [  # b, h, n (compressed entries), k (indices), mode, splits (None: heur
 ]
 
 
-@pytest.mark.parametrize("pv_heads", [32, 16])
+TILINGS = {  # decode_attention keyword arguments: the mma.sync kernel's two P @ V tilings, the wgmma kernel's rings
+    "mma32": {"pv_heads": 32},
+    "mma16": {"pv_heads": 16},
+    "wg64x2": {"wgmma": True, "chunk": 64, "stages": 2},
+    "wg32x4": {"wgmma": True, "chunk": 32, "stages": 4},
+    "wg16x8": {"wgmma": True, "chunk": 16, "stages": 8},
+}
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
 @pytest.mark.parametrize("b,h,n,k,mode,splits", CASES)
-def test_decode_attention_matches_reference(b, h, n, k, mode, splits, pv_heads):
+def test_decode_attention_matches_reference(b, h, n, k, mode, splits, tiling):
     from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
     q, kvw, wlen, kvc, idx, sink = make_case(b, h, n, k, mode, seed=b * 1000 + h + n)
     ref = decode_attention_reference(q, kvw, wlen, kvc, idx, sink, SCALE)
     out = torch.full((b, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, splits=splits, pv_heads=pv_heads)
+    decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, splits=splits, **TILINGS[tiling])
     torch.cuda.synchronize()
     assert not out.isnan().any(), "unwritten (NaN-poisoned) outputs remain"
     err = relerr(out, ref)
@@ -84,11 +93,12 @@ def test_all_masked_gives_zero_and_sink_only():
     q, kvw, wlen, kvc, idx, sink = make_case(2, 64, 256, 64, "indexed", seed=7)
     wlen.zero_()
     idx.fill_(-1)
-    for splits, pv_heads in ((1, 32), (3, 32), (1, 16), (3, 16)):
-        out = torch.full((2, 64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-        decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, splits=splits, pv_heads=pv_heads)
-        torch.cuda.synchronize()
-        assert bool((out == 0).all())
+    for splits in (1, 3):
+        for tiling in TILINGS.values():
+            out = torch.full((2, 64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+            decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, splits=splits, **tiling)
+            torch.cuda.synchronize()
+            assert bool((out == 0).all()), tiling
 
 
 def test_graph_capture_replays():
