@@ -161,12 +161,12 @@ def bench_indexer(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
 def table(res: dict) -> str:
     lines = [f"copy bandwidth {res['copy_bytes_per_s'] / 1e12:.2f} TB/s on {res['device']}",
              f"{'model':9} {'B':>4} {'ctx':>8} {'kind':4} {'entries':>7} {'floor us':>9} {'ours us':>9} "
-             f"{'torch us':>9} {'%copy':>6} {'x torch':>8} {'err':>8} {'pv16 us':>8}"]
+             f"{'torch us':>9} {'%copy':>6} {'x torch':>8} {'err':>8}"]
     for r in res["attention"]:
         lines.append(f"{r['model']:9} {r['batch']:4d} {r['context']:8d} {r['kind']:4} {r['entries']:7d} "
                      f"{r['floor_us']:9.1f} {r.get('ours_us', float('nan')):9.1f} {r.get('torch_us', float('nan')):9.1f} "
                      f"{100 * r.get('frac_of_copy_bw', float('nan')):6.1f} {r.get('speedup_vs_torch', float('nan')):8.1f} "
-                     f"{r.get('relerr_vs_torch', float('nan')):8.1e} {r.get('ours_pv16_us', float('nan')):8.1f}")
+                     f"{r.get('relerr_vs_torch', float('nan')):8.1e}")
     lines.append(f"{'indexer':9} {'B':>4} {'ctx':>8} {'k':>5} {'floor us':>9} {'torch us':>9} {'%copy':>6}")
     for r in res.get("indexer", []):
         lines.append(f"{'':9} {r['batch']:4d} {r['context']:8d} {r['top_k']:5d} {r['floor_us']:9.1f} "
@@ -212,7 +212,7 @@ def main() -> None:
     p.add_argument("--no-indexer", action="store_true")
     p.add_argument("--variants", type=json.loads, default={},
                    help='other configurations of ours as JSON {name: decode_attention keyword arguments}, e.g. '
-                        '\'{"pv16": {"pv_heads": 16}, "wg": {"wgmma": true}}\'')
+                        '\'{"c32": {"chunk": 32, "stages": 4}}\'')
     p.add_argument("--splits", type=int, nargs="*", default=[],
                    help="also time ours with these fixed flash-decoding split counts (ours_s<N>_us)")
     p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="only draw the plot of a results file")

@@ -2,38 +2,47 @@
 
 Contract: ``decode_attention_reference`` (``kernels/decode_attention_reference.py``); the host entry
 point is :func:`decode_attention`. MQA: one 512-dim BF16 vector per entry is both K and V for all
-heads, so the **heads are the MMA M dimension** (64 per CTA) and every KV byte is read from HBM once
-per 64 heads (the second head block of a 128-head model reads it again, mostly from L2).
+heads, so the **heads are the MMA M dimension** (64 per CTA: one ``wgmma`` m64 tile) and every KV byte
+is read from HBM once per 64 heads (the second head block of a 128-head model reads it again, mostly
+from L2).
 
 Work split (flash-decoding). A request's entries form one virtual list: window slots ``0..W-1``
-then ``indices[b, 0..K-1]`` (or ``0..N-1`` for HCA), cut into chunks of 64 entries. The grid is
+then ``indices[b, 0..K-1]`` (or ``0..N-1`` for HCA), cut into chunks of ``chunk`` entries. The grid is
 ``(splits, H / 64, B)``; split ``s`` walks chunks ``[s*cps, (s+1)*cps)`` with ``cps =
 ceil(chunks / splits)``. With one split the CTA normalises (sink included) and writes BF16 ``out``;
 otherwise it writes its unnormalised float32 ``O`` and ``(m, l)`` and a second kernel
 (:class:`Sm90DecodeAttentionCombine`) merges the splits and adds the sink. The combine is launched with
-programmatic dependent launch: it is resident and waiting (``griddepcontrol.wait``) while the split kernel
-runs, which hides its launch latency, the larger part of a batch-1 step's cost.
+programmatic dependent launch: it is resident and waiting (``griddepcontrol.wait``) while the split
+kernel runs.
 
-CTA (8 warps, 256 threads, one per SM: 201.5 KB of shared memory):
-* ``cp.async`` gathers: Q block [64 x 512] once, then KV chunks [64 x 512] into two buffers (the next
-  chunk is in flight while one is computed); invalid entries (slot >= window_len, index -1) are
-  zero-filled (no HBM read) and get a -inf logit bias. Rows are 1024 B; 16-byte column ``j`` of row
-  ``r`` sits at ``j ^ (r % 8)`` (XOR swizzle: ``ldmatrix`` reads conflict-free).
-* S = Q K^T: warp ``w`` owns heads ``16 (w % 4) ..+16`` and entries ``32 (w // 4) ..+32``
-  (``mma.sync.m16n8k16``, A = Q and B = K both by ``ldmatrix`` from the row-major buffers).
-  Logits are in log2 units (``scale * log2 e``). The two warps sharing a head tile exchange their row
-  maxima through shared memory, so both hold the same running max ``m`` and each keeps a partial
-  row sum ``l`` over its own entries (summed once at the end).
-* P (BF16, [64 x 64], shared) @ V: with ``pv_heads=32`` (default) warp ``w`` owns heads
-  ``32 (w % 2) ..+32`` and dims ``128 (w // 2) ..+128``, so each V fragment (``ldmatrix.trans`` from the
-  same KV buffer) feeds two MMAs; ``pv_heads=16``: heads ``16 (w % 4)``, dims ``256 (w // 4)``. Either
-  way 128 float32 accumulators per thread; the per-row rescale factors and running max pass through
-  shared memory from the S warps.
+Split kernel (:class:`Sm90DecodeAttention`): two warpgroups (256 threads), one CTA per SM. Shared
+memory, every tile 128-byte swizzled (16-byte column ``j`` of row ``r`` at ``j ^ (r % 8)``) and cut into
+8 column blocks of 64 dims (one swizzle atom wide): Q [64 heads x 512] once, a ring of ``stages`` KV
+chunks [chunk x 512], the S exchange buffer and the mask bias. One KV buffer serves both products:
+read K-major it is B of ``S = Q K^T`` (N = entries), read MN-major (``tnsp_b``) it is B of ``O += P V``
+(N = dims), so every KV byte lands in shared memory once. Per chunk:
 
-Splits: :func:`pick_splits` keeps the split kernel to at most one wave (one CTA per SM) and does not
-split once the requests alone fill the SMs. Measured on an H200: ``docs/benchmarks.md``.
-The running max starts at -1e30 rather than -inf, so fully masked chunks or splits need no branch
-(every exp2 of a masked logit is exactly 0).
+* ``S``: warpgroup ``w`` multiplies dims ``256 w ..+256`` (16 ``wgmma`` m64 x chunk x k16, both operands
+  from shared memory), so the product is done once per CTA; the halves are summed through shared
+  memory (thread ``t`` of both warpgroups holds the same (head, entry) elements and the sum is
+  commutative, so both hold bit-identical ``S`` and run the same softmax with no further exchange).
+* softmax in registers (log2 units, running max, ``-inf`` bias on invalid entries). The running max
+  starts at -1e30 rather than -inf, so fully masked chunks or splits need no branch.
+* ``O += P V``: warpgroup ``w`` owns dims ``256 w ..+256`` (128 float32 accumulators per thread); ``P`` is
+  the A operand straight from registers (the accumulator fragment of ``S`` is the A fragment of the
+  next ``wgmma``): ``chunk / 16`` ``wgmma`` m64 n256 k16.
+
+Loads: all 256 threads gather rows with ``cp.async`` (zero fill, no HBM read, for invalid entries:
+slot >= window_len, index -1) ``stages - 1`` chunks ahead; a barrier per chunk publishes the landed
+chunk (after a proxy fence: ``wgmma`` reads shared memory through the async proxy) and frees the slot
+the previous chunk used.
+
+Measured on an H200 (``docs/benchmarks.md``, variants in ``docs/attention_variants.json``): chunk 64
+with 2 stages is the default; issuing S of the next chunk before this chunk's softmax (chunk 32, 4
+stages: the only ring with room for it) gained at most 2 % and lost up to 10 % on CSA, and each
+warpgroup computing the whole S (no exchange) was 1-9 % slower, so neither is kept.
+:func:`pick_splits` keeps the split kernel to at most one wave (one CTA per SM) and does not split once
+the requests alone fill the SMs.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import Float32, Int32, Int64, const_expr
 
 from . import sm90_ptx as ptx
@@ -49,24 +59,22 @@ from .cute_host import expect as _expect, launch as _launch
 
 HEAD_DIM = 512
 HEADS_PER_CTA = 64
-CHUNK = 64
-THREADS = 256
 ROW = HEAD_DIM * 2                     # bytes per KV / Q row
-Q_BYTES = HEADS_PER_CTA * ROW          # 64 KB
-KV_BYTES = CHUNK * ROW                 # 64 KB per buffer
-P_ROW = CHUNK * 2                      # 128 B per P row
-OFF_Q = 0
-OFF_KV = OFF_Q + Q_BYTES
-OFF_P = OFF_KV + 2 * KV_BYTES
-OFF_BIAS = OFF_P + HEADS_PER_CTA * P_ROW
-OFF_MAX = OFF_BIAS + 2 * CHUNK * 4
-OFF_L = OFF_MAX + 2 * HEADS_PER_CTA * 4
-OFF_ALPHA = OFF_L + 2 * HEADS_PER_CTA * 4    # this chunk's rescale factor per head row
-OFF_M = OFF_ALPHA + HEADS_PER_CTA * 4        # running max per head row
-SMEM_BYTES = OFF_M + HEADS_PER_CTA * 4
+THREADS = 256
+ATOM = 128                             # bytes of one swizzled row (64 BF16 dims)
+BLOCKS = ROW // ATOM                   # 8 column blocks per 512-dim row
+Q_BLOCK = HEADS_PER_CTA * ATOM         # 8 KB
+SMEM_LIMIT = 227 * 1024
+CHUNKS = (16, 32, 64)
+CHUNK = 64                             # the default chunk
 LOG2E = 1.4426950408889634
 NEG_BIG = -1.0e30
 MODES = ("window", "indexed", "dense")
+
+
+def smem_bytes(chunk: int, stages: int) -> int:
+    """Dynamic shared memory of a configuration (Q, ring, S exchange, bias, alignment slack)."""
+    return BLOCKS * Q_BLOCK + stages * chunk * ROW + 2 * HEADS_PER_CTA * chunk * 4 + stages * chunk * 4 + 1024
 
 
 class Sm90DecodeAttention:
@@ -76,9 +84,8 @@ class Sm90DecodeAttention:
         mode: ``"window"`` (no compressed entries), ``"indexed"`` (CSA: ``indices`` [B, K], -1 pads)
             or ``"dense"`` (HCA: all N entries of ``kv_compressed``).
         scale: logit scale (512**-0.5 in V4), folded into the kernel with log2(e).
-        pv_heads: head rows per warp in P @ V: 16 (8 warps = 4 head tiles x 2 dim halves) or 32
-            (2 head pairs x 4 dim quarters: each V fragment feeds two MMAs, so V is read from shared
-            memory half as often).
+        chunk: KV entries per pipeline step (16, 32 or 64).
+        stages: KV buffers in the ring (``stages - 1`` chunks in flight while one is computed).
 
     Operands (all contiguous): ``q`` bf16 [B, H, 512], ``kv_window`` bf16 [B, W, 512], ``window_len``
     int32 [B], ``kv_compressed`` bf16 [B, N, 512], ``indices`` int32 [B, K], ``sink`` f32 [H],
@@ -87,28 +94,37 @@ class Sm90DecodeAttention:
     are placeholders (any tensors of those dtypes and ranks).
     """
 
-    def __init__(self, *, mode: str, scale: float, pv_heads: int = 32):
+    def __init__(self, *, mode: str, scale: float, chunk: int = CHUNK, stages: int = 2):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if pv_heads not in (16, 32):
-            raise ValueError(f"pv_heads must be 16 or 32, got {pv_heads}")
+        if chunk not in CHUNKS:
+            raise ValueError(f"chunk must be one of {CHUNKS}, got {chunk}")
+        if stages < 2 or smem_bytes(chunk, stages) > SMEM_LIMIT:
+            raise ValueError(f"stages={stages} with chunk={chunk} needs {smem_bytes(chunk, stages)} B of shared "
+                             f"memory (at least 2 stages, at most {SMEM_LIMIT} B)")
         self.mode = mode
         self.scale = float(scale)
         self.sl2 = float(scale) * LOG2E
-        self.mt = pv_heads // 16                      # m16 tiles per warp in P @ V
-        self.nt = HEAD_DIM // 8 // (8 // (HEADS_PER_CTA // pv_heads))  # n8 tiles (dims) per warp
-        self.pv_heads = pv_heads
+        self.chunk = chunk
+        self.stages = stages
+        self.kv_block = chunk * ATOM                       # one column block of a KV buffer
+        self.kv_bytes = BLOCKS * self.kv_block
+        self.x_bytes = HEADS_PER_CTA * chunk * 4          # one warpgroup's S half, float32
+        self.off_kv = BLOCKS * Q_BLOCK
+        self.off_x = self.off_kv + stages * self.kv_bytes
+        self.off_bias = self.off_x + 2 * self.x_bytes
+        self.tpr = THREADS // chunk                        # loader threads per KV row
+        self.upt = 64 // self.tpr                          # 16-byte pieces per loader thread
 
     def key(self) -> tuple:
-        return (self.mode, self.scale, self.pv_heads)
+        return (self.mode, self.scale, self.chunk, self.stages)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKvw: cute.Tensor, mWlen: cute.Tensor, mKvc: cute.Tensor,
                  mIdx: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor, mOpart: cute.Tensor,
                  mML: cute.Tensor, stream):
         self.kernel(mQ, mKvw, mWlen, mKvc, mIdx, mSink, mOut, mOpart, mML).launch(
-            grid=[mML.shape[2], mQ.shape[1] // HEADS_PER_CTA, mQ.shape[0]], block=[THREADS, 1, 1],
-            stream=stream)
+            grid=[mML.shape[2], mQ.shape[1] // HEADS_PER_CTA, mQ.shape[0]], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mKvw: cute.Tensor, mWlen: cute.Tensor, mKvc: cute.Tensor,
@@ -117,15 +133,15 @@ class Sm90DecodeAttention:
         tidx, _, _ = cute.arch.thread_idx()
         split, hb, b = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()  # the combine (PDL) may take its SM slots now; it waits for us
+        C = self.chunk
+        NS = C // 2                                  # S accumulators per thread
         n_splits = mML.shape[2]
         n_heads = mQ.shape[1]
-        warp = tidx // 32
+        wg = tidx // 128
+        t = tidx % 128
         lane = tidx % 32
         g = lane // 4
         c = lane % 4
-        ht = warp % 4
-        half = warp // 4
-        x = lane % 8                           # the swizzle key of every row an ldmatrix lane addresses
 
         W = mKvw.shape[1]
         K = Int32(0)
@@ -136,8 +152,7 @@ class Sm90DecodeAttention:
         if const_expr(self.mode == "dense"):
             K = mKvc.shape[1]
             N = mKvc.shape[1]
-        n_entries = W + K
-        n_chunks = (n_entries + CHUNK - 1) // CHUNK
+        n_chunks = (W + K + C - 1) // C
         cps = (n_chunks + n_splits - 1) // n_splits
         c_begin = split * cps
         c_end = c_begin + cps
@@ -148,207 +163,170 @@ class Sm90DecodeAttention:
             n_mine = Int32(0)
 
         smem = cutlass.memory.SmemAllocator()
-        sbase = smem.allocate_array(cutlass.Int8, SMEM_BYTES, byte_alignment=1024).toint()
+        sraw = smem.allocate_array(cutlass.Int8, smem_bytes(C, self.stages), byte_alignment=16).toint()
+        sbase = (Int32(sraw) + 1023) & Int32(-1024)   # swizzle atoms need 1024-byte alignment
         wlen = mWlen[b]
 
-        # ---- prologue: Q block and the first two chunks ----
-        r = tidx // 4
-        sub = tidx % 4
-        q_src = mQ.iterator.toint() + (Int64(b) * n_heads + Int64(hb * HEADS_PER_CTA + r)) * ROW
-        q_dst = sbase + OFF_Q + r * ROW
+        # ---- prologue: Q block (one commit group with chunk 0), then chunks 1 .. stages - 2 ----
+        qr = tidx // 4
+        q_src = mQ.iterator.toint() + (Int64(b) * n_heads + Int64(hb * HEADS_PER_CTA + qr)) * ROW
         for i in cutlass.range_constexpr(16):
-            seg = sub + 4 * i
-            ptx.cp_async_16(q_dst + ((seg ^ (r % 8)) << 4), q_src + Int64(seg * 16), Int32(16))
-        if n_mine > 0:
-            self.load_chunk(mKvw, mKvc, mIdx, sbase, b, wlen, W, K, N, c_begin, Int32(0), r, sub)
-        cute.arch.cp_async_commit_group()
-        if n_mine > 1:
-            self.load_chunk(mKvw, mKvc, mIdx, sbase, b, wlen, W, K, N, c_begin + 1, Int32(1), r, sub)
-        cute.arch.cp_async_commit_group()
+            seg = tidx % 4 + 4 * i
+            ptx.cp_async_16(sbase + (seg // 8) * Q_BLOCK + qr * ATOM + (((seg % 8) ^ (qr % 8)) << 4),
+                            q_src + Int64(seg * 16), Int32(16))
+        r = tidx // self.tpr
+        sub = tidx % self.tpr
+        for st in cutlass.range_constexpr(self.stages - 1):
+            if n_mine > st:
+                self.load_chunk(mKvw, mKvc, mIdx, sbase, b, wlen, W, K, N, c_begin + st, Int32(st), r, sub)
+            cute.arch.cp_async_commit_group()
 
-        MT, NT = self.mt, self.nt
-        acc = cute.make_rmem_tensor((MT, NT, 4), Float32)
-        acc.fill(0.0)
-        if tidx < HEADS_PER_CTA:
-            ptx.st_shared_f32(sbase + OFF_M + tidx * 4, Float32(NEG_BIG))   # read back only after syncs
-        pv_row = ht * 16                                   # P @ V: this warp's first head row ...
-        pv_dim = half * 256                                # ... and first dim
-        if const_expr(MT == 2):
-            pv_row = (warp % 2) * 32
-            pv_dim = (warp // 2) * 128
+        o = cute.make_rmem_tensor((128,), Float32)
+        o.fill(0.0)
         m_run = cute.make_rmem_tensor((2,), Float32)
         l_run = cute.make_rmem_tensor((2,), Float32)
         for i in cutlass.range_constexpr(2):
             m_run[i] = Float32(NEG_BIG)
             l_run[i] = Float32(0.0)
+        x_mine = sbase + self.off_x + wg * self.x_bytes + t * 16
+        x_other = sbase + self.off_x + (1 - wg) * self.x_bytes + t * 16
 
-        qa_row = ht * 16 + x + 8 * ((lane // 8) % 2)        # A rows (Q and P): heads
-        hi16 = lane // 16
-        q_row_addr = sbase + OFF_Q + qa_row * ROW
-        p_row_addr = sbase + OFF_P + (qa_row - ht * 16 + pv_row) * P_ROW
-        kb_row = half * 32 + x + 8 * hi16                     # B rows of S: entries (+16 per n-tile pair)
-        kb_y = ((lane // 8) % 2) ^ x
-        ka_y = hi16 ^ x
-        v_row = x + 8 * ((lane // 8) % 2)                     # B rows of PV: entries (+16 per k-step)
-        h_row0 = ht * 16 + g                                  # accumulator rows h_row0 and h_row0 + 8
-
+        s_cur = cute.make_rmem_tensor((NS,), Float32)     # this chunk's full S
         for it in cutlass.range(0, n_mine, unroll=1):
-            slot = it % 2
-            cute.arch.cp_async_wait_group(1)
-            cute.arch.sync_threads()
-            kv = sbase + OFF_KV + slot * KV_BYTES
-
-            # ---- S = Q K^T over this warp's 16 heads x 32 entries ----
-            s = cute.make_rmem_tensor((4, 4), Float32)
-            s.fill(0.0)
-            for ks in cutlass.range_constexpr(HEAD_DIM // 16):
-                a0, a1, a2, a3 = ptx.ldmatrix_x4(q_row_addr + ((Int32(2 * ks) ^ ka_y) << 4))
-                for jp in cutlass.range_constexpr(2):
-                    b0, b1, b2, b3 = ptx.ldmatrix_x4(kv + (kb_row + 16 * jp) * ROW + ((Int32(2 * ks) ^ kb_y) << 4))
-                    d = ptx.mma_bf16_16816(a0, a1, a2, a3, b0, b1, s[2 * jp, 0], s[2 * jp, 1], s[2 * jp, 2],
-                                           s[2 * jp, 3])
-                    for i in cutlass.range_constexpr(4):
-                        s[2 * jp, i] = d[i]
-                    d = ptx.mma_bf16_16816(a0, a1, a2, a3, b2, b3, s[2 * jp + 1, 0], s[2 * jp + 1, 1],
-                                           s[2 * jp + 1, 2], s[2 * jp + 1, 3])
-                    for i in cutlass.range_constexpr(4):
-                        s[2 * jp + 1, i] = d[i]
-
-            # ---- logits (log2 units) + mask, row max over both entry halves ----
-            mx0 = Float32(-math.inf)
-            mx1 = Float32(-math.inf)
-            for j in cutlass.range_constexpr(4):
-                col = half * 32 + 8 * j + 2 * c
-                bv0, bv1 = ptx.ld_shared_f32x2(sbase + OFF_BIAS + slot * (CHUNK * 4) + col * 4)
-                s[j, 0] = s[j, 0] * Float32(self.sl2) + bv0
-                s[j, 1] = s[j, 1] * Float32(self.sl2) + bv1
-                s[j, 2] = s[j, 2] * Float32(self.sl2) + bv0
-                s[j, 3] = s[j, 3] * Float32(self.sl2) + bv1
-                mx0 = cute.arch.fmax(mx0, cute.arch.fmax(s[j, 0], s[j, 1]))
-                mx1 = cute.arch.fmax(mx1, cute.arch.fmax(s[j, 2], s[j, 3]))
-            for sh in cutlass.range_constexpr(2):
-                mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, 1 << sh))
-                mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, 1 << sh))
-            if c == 0:
-                ptx.st_shared_f32(sbase + OFF_MAX + (half * HEADS_PER_CTA + h_row0) * 4, mx0)
-                ptx.st_shared_f32(sbase + OFF_MAX + (half * HEADS_PER_CTA + h_row0 + 8) * 4, mx1)
-            cute.arch.sync_threads()
-            other = sbase + OFF_MAX + ((1 - half) * HEADS_PER_CTA + h_row0) * 4
-            mx0 = cute.arch.fmax(mx0, ptx.ld_shared_f32(other))
-            mx1 = cute.arch.fmax(mx1, ptx.ld_shared_f32(other + 32))
-            m_new0 = cute.arch.fmax(m_run[0], mx0)
-            m_new1 = cute.arch.fmax(m_run[1], mx1)
-            alpha0 = ptx.ex2(m_run[0] - m_new0)
-            alpha1 = ptx.ex2(m_run[1] - m_new1)
-            m_run[0] = m_new0
-            m_run[1] = m_new1
-            if half == 0:
-                if c == 0:
-                    ptx.st_shared_f32(sbase + OFF_ALPHA + h_row0 * 4, alpha0)
-                    ptx.st_shared_f32(sbase + OFF_ALPHA + (h_row0 + 8) * 4, alpha1)
-                    ptx.st_shared_f32(sbase + OFF_M + h_row0 * 4, m_new0)
-                    ptx.st_shared_f32(sbase + OFF_M + (h_row0 + 8) * 4, m_new1)
-
-            # ---- P = exp2(S - m) -> shared (BF16), partial row sums, rescale O ----
-            sum0 = Float32(0.0)
-            sum1 = Float32(0.0)
-            p_row0 = sbase + OFF_P + h_row0 * P_ROW + c * 4
-            for j in cutlass.range_constexpr(4):
-                p0 = ptx.ex2(s[j, 0] - m_new0)
-                p1 = ptx.ex2(s[j, 1] - m_new0)
-                p2 = ptx.ex2(s[j, 2] - m_new1)
-                p3 = ptx.ex2(s[j, 3] - m_new1)
-                sum0 = sum0 + p0 + p1
-                sum1 = sum1 + p2 + p3
-                sw = ((half * 4 + j) ^ g) << 4                # 16-byte column half*4+j of rows h_row0(+8)
-                ptx.st_shared_b32(p_row0 + sw, ptx.f32x2_to_bf16x2(p0, p1))
-                ptx.st_shared_b32(p_row0 + 8 * P_ROW + sw, ptx.f32x2_to_bf16x2(p2, p3))
-            l_run[0] = l_run[0] * alpha0 + sum0
-            l_run[1] = l_run[1] * alpha1 + sum1
-            cute.arch.sync_threads()
-
-            # ---- O = alpha O + P V over this warp's 16 MT heads x 8 NT dims ----
-            for mt in cutlass.range_constexpr(MT):
-                al0 = ptx.ld_shared_f32(sbase + OFF_ALPHA + (pv_row + mt * 16 + g) * 4)
-                al1 = ptx.ld_shared_f32(sbase + OFF_ALPHA + (pv_row + mt * 16 + g + 8) * 4)
-                for n in cutlass.range_constexpr(NT):
-                    acc[mt, n, 0] = acc[mt, n, 0] * al0
-                    acc[mt, n, 1] = acc[mt, n, 1] * al0
-                    acc[mt, n, 2] = acc[mt, n, 2] * al1
-                    acc[mt, n, 3] = acc[mt, n, 3] * al1
-            for ks in cutlass.range_constexpr(CHUNK // 16):
-                pa = cute.make_rmem_tensor((MT, 4), Int32)
-                for mt in cutlass.range_constexpr(MT):
-                    a0, a1, a2, a3 = ptx.ldmatrix_x4(p_row_addr + mt * 16 * P_ROW + ((Int32(2 * ks) ^ ka_y) << 4))
-                    pa[mt, 0] = a0
-                    pa[mt, 1] = a1
-                    pa[mt, 2] = a2
-                    pa[mt, 3] = a3
-                v_addr = kv + (v_row + 16 * ks) * ROW
-                for np_ in cutlass.range_constexpr(NT // 2):
-                    col = pv_dim // 8 + 2 * np_ + hi16
-                    b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(v_addr + ((col ^ x) << 4))
-                    for mt in cutlass.range_constexpr(MT):
-                        for t in cutlass.range_constexpr(2):
-                            n = 2 * np_ + t
-                            bb0 = b0
-                            bb1 = b1
-                            if const_expr(t == 1):
-                                bb0 = b2
-                                bb1 = b3
-                            d = ptx.mma_bf16_16816(pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], bb0, bb1,
-                                                   acc[mt, n, 0], acc[mt, n, 1], acc[mt, n, 2], acc[mt, n, 3])
-                            for i in cutlass.range_constexpr(4):
-                                acc[mt, n, i] = d[i]
-            cute.arch.sync_threads()
-            if it + 2 < n_mine:
-                self.load_chunk(mKvw, mKvc, mIdx, sbase, b, wlen, W, K, N, c_begin + it + 2, slot, r, sub)
+            slot = it % self.stages
+            kv = sbase + self.off_kv + slot * self.kv_bytes
+            cute.arch.cp_async_wait_group(self.stages - 2)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier()                       # chunk `it` landed everywhere; chunk it - 1's slot is free
+            nxt = it + self.stages - 1
+            if nxt < n_mine:
+                self.load_chunk(mKvw, mKvc, mIdx, sbase, b, wlen, W, K, N, c_begin + nxt, nxt % self.stages, r, sub)
             cute.arch.cp_async_commit_group()
+            warpgroup.fence()
+            s = self.s_half(sbase, kv, wg)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            self.sum_halves(ptx.fence_operands(s), s_cur, x_mine, x_other)
+            pa = self.softmax(s_cur, o, m_run, l_run, sbase + self.off_bias + slot * (C * 4), c)
+            ov = self.p_v(o, pa, kv, wg)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            ov = ptx.fence_operands(ov)
+            for i in cutlass.range_constexpr(128):
+                o[i] = ov[i]
 
         cute.arch.cp_async_wait_group(0)
-        # ---- row sums over the quad, then over the two entry halves ----
         l0 = l_run[0]
         l1 = l_run[1]
         for sh in cutlass.range_constexpr(2):
             l0 = l0 + cute.arch.shuffle_sync_bfly(l0, 1 << sh)
             l1 = l1 + cute.arch.shuffle_sync_bfly(l1, 1 << sh)
-        if c == 0:
-            ptx.st_shared_f32(sbase + OFF_L + (half * HEADS_PER_CTA + h_row0) * 4, l0)
-            ptx.st_shared_f32(sbase + OFF_L + (half * HEADS_PER_CTA + h_row0 + 8) * 4, l1)
-        cute.arch.sync_threads()
 
-        dim0 = pv_dim + 2 * c
-        for mt in cutlass.range_constexpr(MT):
-            for hh in cutlass.range_constexpr(2):
-                rr = pv_row + mt * 16 + g + 8 * hh           # head row in the block
-                lt = ptx.ld_shared_f32(sbase + OFF_L + rr * 4) + ptx.ld_shared_f32(
-                    sbase + OFF_L + (HEADS_PER_CTA + rr) * 4)
-                mr = ptx.ld_shared_f32(sbase + OFF_M + rr * 4)
-                head = hb * HEADS_PER_CTA + rr
-                if n_splits == 1:
-                    sk = mSink[head] * Float32(LOG2E)
-                    big = cute.arch.fmax(mr, sk)
-                    f = ptx.ex2(mr - big)
-                    inv = f / (lt * f + ptx.ex2(sk - big))
-                    o_row = mOut.iterator.toint() + ((Int64(b) * n_heads + Int64(head)) * HEAD_DIM + Int64(dim0)) * 2
-                    for n in cutlass.range_constexpr(NT):
-                        ptx.st_global_b32(o_row + n * 16, ptx.f32x2_to_bf16x2(acc[mt, n, 2 * hh] * inv,
-                                                                              acc[mt, n, 2 * hh + 1] * inv))
-                else:
-                    prow = (Int64(b) * n_heads + Int64(head)) * n_splits + Int64(split)
-                    pp = mOpart.iterator.toint() + (prow * HEAD_DIM + Int64(dim0)) * 4
-                    for n in cutlass.range_constexpr(NT):
-                        ptx.st_global_v2_f32(pp + n * 32, acc[mt, n, 2 * hh], acc[mt, n, 2 * hh + 1])
-                    if pv_dim == 0:
-                        if c == 0:
-                            ptx.st_global_v2_f32(mML.iterator.toint() + prow * 8, mr, lt)
+        dim0 = wg * 256 + 2 * c
+        for hh in cutlass.range_constexpr(2):
+            head = hb * HEADS_PER_CTA + (t // 32) * 16 + g + 8 * hh
+            mr = m_run[hh]
+            lt = l0
+            if const_expr(hh == 1):
+                lt = l1
+            if n_splits == 1:
+                sk = mSink[head] * Float32(LOG2E)
+                big = cute.arch.fmax(mr, sk)
+                f = ptx.ex2(mr - big)
+                inv = f / (lt * f + ptx.ex2(sk - big))
+                o_row = mOut.iterator.toint() + ((Int64(b) * n_heads + Int64(head)) * HEAD_DIM + Int64(dim0)) * 2
+                for j in cutlass.range_constexpr(32):
+                    ptx.st_global_b32(o_row + j * 16, ptx.f32x2_to_bf16x2(o[4 * j + 2 * hh] * inv,
+                                                                          o[4 * j + 2 * hh + 1] * inv))
+            else:
+                prow = (Int64(b) * n_heads + Int64(head)) * n_splits + Int64(split)
+                pp = mOpart.iterator.toint() + (prow * HEAD_DIM + Int64(dim0)) * 4
+                for j in cutlass.range_constexpr(32):
+                    ptx.st_global_v2_f32(pp + j * 32, o[4 * j + 2 * hh], o[4 * j + 2 * hh + 1])
+                if wg == 0:
+                    if c == 0:
+                        ptx.st_global_v2_f32(mML.iterator.toint() + prow * 8, mr, lt)
+
+    def p_v(self, o: cute.Tensor, pa: cute.Tensor, kv: Int32, wg: Int32) -> list:
+        """Issue O += P V over dims 256 wg ..+256 (V read MN-major from the KV buffer); returns the accumulators."""
+        ov = [o[i] for i in range(128)]
+        warpgroup.fence()
+        for ks in range(self.chunk // 16):
+            db = ptx.smem_desc_sw128(kv + (wg * 4) * self.kv_block + ks * 16 * ATOM, lbo=self.kv_block)
+            ov = ptx.wgmma_bf16_rs(ov, pa[4 * ks], pa[4 * ks + 1], pa[4 * ks + 2], pa[4 * ks + 3], db, tnsp_b=True)
+        return ov
+
+    def s_half(self, sbase: Int32, kv: Int32, wg: Int32) -> list:
+        """Issue this warpgroup's half of S = Q K^T (dims 256 wg ..+256): 16 k16 steps, both operands in shared."""
+        s = [Float32(0.0)] * (self.chunk // 2)
+        for ks in range(16):
+            blk = wg * 4 + ks // 4
+            da = ptx.smem_desc_sw128(sbase + blk * Q_BLOCK + (ks % 4) * 32)
+            db = ptx.smem_desc_sw128(kv + blk * self.kv_block + (ks % 4) * 32)
+            s = ptx.wgmma_bf16_ss(s, da, db, accumulate=ks > 0)
+        return s
+
+    def sum_halves(self, s: list, s_cur: cute.Tensor, x_mine: Int32, x_other: Int32):
+        """``s_cur`` = this warpgroup's S half + the partner thread's (same elements), through shared memory."""
+        for q in range(len(s) // 4):
+            ptx.st_shared_v4_f32(x_mine + q * 2048, s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3])
+        cute.arch.barrier()
+        for q in range(len(s) // 4):
+            v = ptx.ld_shared_v4_f32(x_other + q * 2048)
+            for e in range(4):
+                s_cur[4 * q + e] = s[4 * q + e] + v[e]
+
+    def softmax(self, s: cute.Tensor, o: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, bias: Int32,
+                c: Int32) -> cute.Tensor:
+        """Online softmax step in log2 units: bias, running max, row sums, O rescaled; returns P as the
+        bf16 A fragments of P V (the accumulator fragment of S is the A fragment of the next wgmma)."""
+        C = self.chunk
+        mx0 = Float32(-math.inf)
+        mx1 = Float32(-math.inf)
+        for j in range(C // 8):
+            bv0, bv1 = ptx.ld_shared_f32x2(bias + (8 * j + 2 * c) * 4)
+            s[4 * j] = s[4 * j] * Float32(self.sl2) + bv0
+            s[4 * j + 1] = s[4 * j + 1] * Float32(self.sl2) + bv1
+            s[4 * j + 2] = s[4 * j + 2] * Float32(self.sl2) + bv0
+            s[4 * j + 3] = s[4 * j + 3] * Float32(self.sl2) + bv1
+            mx0 = cute.arch.fmax(mx0, cute.arch.fmax(s[4 * j], s[4 * j + 1]))
+            mx1 = cute.arch.fmax(mx1, cute.arch.fmax(s[4 * j + 2], s[4 * j + 3]))
+        for sh in range(2):
+            mx0 = cute.arch.fmax(mx0, cute.arch.shuffle_sync_bfly(mx0, 1 << sh))
+            mx1 = cute.arch.fmax(mx1, cute.arch.shuffle_sync_bfly(mx1, 1 << sh))
+        m_new0 = cute.arch.fmax(m_run[0], mx0)
+        m_new1 = cute.arch.fmax(m_run[1], mx1)
+        alpha0 = ptx.ex2(m_run[0] - m_new0)
+        alpha1 = ptx.ex2(m_run[1] - m_new1)
+        m_run[0] = m_new0
+        m_run[1] = m_new1
+        sum0 = Float32(0.0)
+        sum1 = Float32(0.0)
+        pa = cute.make_rmem_tensor((C // 4,), Int32)
+        for j in range(C // 8):
+            p0 = ptx.ex2(s[4 * j] - m_new0)
+            p1 = ptx.ex2(s[4 * j + 1] - m_new0)
+            p2 = ptx.ex2(s[4 * j + 2] - m_new1)
+            p3 = ptx.ex2(s[4 * j + 3] - m_new1)
+            sum0 = sum0 + p0 + p1
+            sum1 = sum1 + p2 + p3
+            pa[2 * j] = ptx.f32x2_to_bf16x2(p0, p1)
+            pa[2 * j + 1] = ptx.f32x2_to_bf16x2(p2, p3)
+        l_run[0] = l_run[0] * alpha0 + sum0
+        l_run[1] = l_run[1] * alpha1 + sum1
+        for j in range(32):
+            o[4 * j] = o[4 * j] * alpha0
+            o[4 * j + 1] = o[4 * j + 1] * alpha0
+            o[4 * j + 2] = o[4 * j + 2] * alpha1
+            o[4 * j + 3] = o[4 * j + 3] * alpha1
+        return pa
 
     @cute.jit
     def load_chunk(self, mKvw: cute.Tensor, mKvc: cute.Tensor, mIdx: cute.Tensor, sbase: Int32, b: Int32,
                    wlen: Int32, W: Int32, K: Int32, N: Int32, chunk: Int32, slot: Int32,
                    r: Int32, sub: Int32):
-        """Thread (r, sub) gathers 16 of the 64 16-byte pieces of row r of the chunk, and its mask bias."""
-        e = chunk * CHUNK + r
+        """Thread (r, sub) gathers ``upt`` of the 64 16-byte pieces of row r of the chunk, and its mask bias."""
+        e = chunk * self.chunk + r
         src = mKvw.iterator.toint()
         nbytes = Int32(0)
         if e < W:
@@ -365,15 +343,16 @@ class Sm90DecodeAttention:
                         if idx < N:
                             nbytes = Int32(16)
                             src = mKvc.iterator.toint() + (Int64(b) * N + Int64(idx)) * ROW
-        dst = sbase + OFF_KV + slot * KV_BYTES + r * ROW
-        for i in cutlass.range_constexpr(16):
-            seg = sub + 4 * i
-            ptx.cp_async_16(dst + ((seg ^ (r % 8)) << 4), src + Int64(seg * 16), nbytes)
+        dst = sbase + self.off_kv + slot * self.kv_bytes + r * ATOM
+        for i in cutlass.range_constexpr(self.upt):
+            seg = sub + self.tpr * i
+            ptx.cp_async_16(dst + (seg // 8) * self.kv_block + (((seg % 8) ^ (r % 8)) << 4), src + Int64(seg * 16),
+                            nbytes)
         if sub == 0:
             bias = Float32(0.0)
             if nbytes == 0:
                 bias = Float32(-math.inf)
-            ptx.st_shared_f32(sbase + OFF_BIAS + slot * (CHUNK * 4) + r * 4, bias)
+            ptx.st_shared_f32(sbase + self.off_bias + slot * (self.chunk * 4) + r * 4, bias)
 
 
 MAX_SPLITS = 1024
@@ -491,7 +470,7 @@ def pick_splits(batch: int, heads: int, entries: int, sms: int = 132, chunk: int
 
 
 def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, scale: float, *,
-                     out=None, splits: int | None = None, wgmma: bool = False, **tiling):
+                     out=None, splits: int | None = None, chunk: int = CHUNK, stages: int = 2):
     """One decode step of DeepSeek-V4 attention on Hopper (sm_90a); returns BF16 ``out`` [B, H, 512].
 
     Args (contract and semantics: ``decode_attention_reference``; everything contiguous, on one GPU):
@@ -503,8 +482,7 @@ def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, sca
             to attend to all N entries (HCA).
         sink: float32 [H]. scale: the logit scale (512**-0.5).
         out: optional bf16 [B, H, 512] to write into. splits: override the flash-decoding split count.
-        wgmma: use the warpgroup-MMA split kernel (``sm90_decode_attention_wgmma``); ``tiling``: the
-            kernel's options (``pv_heads``; with ``wgmma``: ``chunk``, ``stages``).
+        chunk, stages: the split kernel's pipeline (:class:`Sm90DecodeAttention`).
 
     No host sync and no allocation once a shape has been seen (split workspaces are cached per
     shape), so the call is CUDA-graph capturable after one warm-up call. The output is not inverse-RoPE'd.
@@ -535,12 +513,7 @@ def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, sca
         out = torch.empty(b, h, d, dtype=torch.bfloat16, device=q.device)
     _expect(out.dtype == torch.bfloat16 and tuple(out.shape) == (b, h, d) and out.is_contiguous(),
             "out must be contiguous bf16 [B, H, 512]")
-    if wgmma:
-        from .sm90_decode_attention_wgmma import Sm90DecodeAttentionWgmma
-        kernel = Sm90DecodeAttentionWgmma(mode=mode, scale=scale, **tiling)
-    else:
-        kernel = Sm90DecodeAttention(mode=mode, scale=scale, **tiling)
-    chunk = getattr(kernel, "chunk", CHUNK)
+    kernel = Sm90DecodeAttention(mode=mode, scale=scale, chunk=chunk, stages=stages)
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         splits = pick_splits(b, h, w + k, sms, chunk)

@@ -8,7 +8,8 @@ MoE (``sm90_moe_gemm``, ``sm90_moe_wgmma``):
 * ``red.global.add.f32`` for the token scatter-reduce.
 
 Decode attention (``sm90_decode_attention``): ``cp.async.cg`` 16-byte gathers with zero fill,
-``ldmatrix`` (plain and ``.trans``), shared/global scalar and vector I/O, ``ex2.approx``.
+``wgmma`` with both operands in shared memory and with a transposed (MN-major) B, shared/global scalar
+and vector I/O, ``ex2.approx``.
 
 Shared memory is addressed by 32-bit ``.shared`` addresses, global memory by 64-bit generic
 addresses. Every helper is a pure function of 32-bit registers (``Int32``) or ``Float32`` values
@@ -194,7 +195,7 @@ def f32x2_to_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
         "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=False, loc=loc, ip=ip))
 
 
-# --- WGMMA (prefill path, ``sm90_moe_wgmma``) ---
+# --- WGMMA (MoE prefill ``sm90_moe_wgmma``, decode attention) ---
 
 def _wgmma_bf16(acc: list, a_args: list, a_cons: list, a_text: str, desc_b: Int64, accumulate: bool,
                 imm_tail: str, loc, ip) -> list:
@@ -270,7 +271,7 @@ def smem_desc_sw128(addr: Int32, lbo: int = 16) -> Int64:
     return (Int64(addr) >> 4) & Int64(0x3FFF) | Int64(SW128_DESC_HI | ((lbo >> 4) << 16))
 
 
-# --- decode attention (``sm90_decode_attention``): cp.async gathers, ldmatrix, shared/global I/O ---
+# --- decode attention (``sm90_decode_attention``): cp.async gathers, shared/global I/O ---
 
 def _i32(v, loc, ip):
     return Int32(v).ir_value(loc=loc, ip=ip)
@@ -285,24 +286,6 @@ def cp_async_16(smem: Int32, gaddr: Int64, src_bytes: Int32, *, loc=None, ip=Non
     llvm.inline_asm(
         None, [_i32(smem, loc, ip), Int64(gaddr).ir_value(loc=loc, ip=ip), _i32(src_bytes, loc, ip)],
         "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", has_side_effects=True, loc=loc, ip=ip)
-
-
-def ldmatrix_x4(smem: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
-    """``ldmatrix.sync.aligned.m8n8.x4.shared.b16``: lanes 8i..8i+7 give the row addresses of matrix i."""
-    res = llvm.inline_asm(
-        _struct(4), [_i32(smem, loc, ip)],
-        "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r", has_side_effects=True, loc=loc, ip=ip)
-    return _unpack(res, 4, T.i32(), Int32, loc, ip)
-
-
-def ldmatrix_x4_trans(smem: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
-    """``ldmatrix ... .x4.trans``: as :func:`ldmatrix_x4`, each 8x8 matrix transposed."""
-    res = llvm.inline_asm(
-        _struct(4), [_i32(smem, loc, ip)],
-        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,r", has_side_effects=True, loc=loc, ip=ip)
-    return _unpack(res, 4, T.i32(), Int32, loc, ip)
 
 
 def ld_shared_f32x2(smem: Int32, *, loc=None, ip=None) -> tuple[Float32, Float32]:

@@ -91,22 +91,24 @@ def test_indexer_ties_pick_lower_index():
 
 def test_pick_splits():
     from nvfp4_megamoe.kernels.sm90_decode_attention import CHUNK, pick_splits
-    for b in (1, 8, 32, 128):
-        for h in (64, 128):
-            for entries in (1, 64, 640, 1152, 8320):
-                s = pick_splits(b, h, entries, 132)
-                chunks = -(-entries // CHUNK)
-                cps = -(-chunks // s)
-                assert 1 <= s <= chunks and (s - 1) * cps < chunks   # no empty split
-                assert s == 1 or s * b * (h // 64) <= 132             # at most one wave when split
+    for chunk in (CHUNK, 32):
+        for b in (1, 8, 32, 128):
+            for h in (64, 128):
+                for entries in (1, 64, 640, 1152, 8320):
+                    s = pick_splits(b, h, entries, 132, chunk)
+                    chunks = -(-entries // chunk)
+                    cps = -(-chunks // s)
+                    assert 1 <= s <= chunks and (s - 1) * cps < chunks   # no empty split
+                    assert s == 1 or s * b * (h // 64) <= 132             # at most one wave when split
 
 
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 
 @pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
-@pytest.mark.parametrize("mode,pv_heads", [("indexed", 32), ("dense", 32), ("window", 32), ("indexed", 16)])
-def test_decode_attention_compiles_sm90a(mode, pv_heads):
+@pytest.mark.parametrize("mode,chunk,stages", [("indexed", 64, 2), ("dense", 64, 2), ("window", 64, 2),
+                                               ("indexed", 32, 4), ("dense", 16, 8)])
+def test_decode_attention_compiles_sm90a(mode, chunk, stages):
     from nvfp4_megamoe.kernels.cute_host import compile_op
     from nvfp4_megamoe.kernels.sm90_decode_attention import Sm90DecodeAttention, Sm90DecodeAttentionCombine
     b, h, w, n, k, s = 2, 128, 128, 40, 16, 3
@@ -114,37 +116,17 @@ def test_decode_attention_compiles_sm90a(mode, pv_heads):
     args = [torch.zeros(b, h, 512, **bf), torch.zeros(b, w, 512, **bf), torch.zeros(b, dtype=torch.int32),
             torch.zeros(b, n, 512, **bf), torch.zeros(b, k, dtype=torch.int32), torch.zeros(h),
             torch.zeros(b, h, 512, **bf), torch.zeros(b, h, s, 512), torch.zeros(b, h, s, 2)]
-    assert compile_op(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, pv_heads=pv_heads), args) is not None
-    if mode == "indexed" and pv_heads == 32:
+    assert compile_op(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, chunk=chunk, stages=stages), args) is not None
+    if mode == "indexed" and chunk == 64:
         for groups in (1, 4):
             assert compile_op(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]]) is not None
 
 
-@pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
-@pytest.mark.parametrize("mode,chunk,stages", [("indexed", 64, 2), ("dense", 32, 4), ("window", 16, 8)])
-def test_wgmma_decode_attention_compiles_sm90a(mode, chunk, stages):
-    from nvfp4_megamoe.kernels.cute_host import compile_op
-    from nvfp4_megamoe.kernels.sm90_decode_attention_wgmma import Sm90DecodeAttentionWgmma
-    b, h, w, n, k, s = 2, 128, 128, 40, 16, 3
-    bf = dict(dtype=torch.bfloat16)
-    args = [torch.zeros(b, h, 512, **bf), torch.zeros(b, w, 512, **bf), torch.zeros(b, dtype=torch.int32),
-            torch.zeros(b, n, 512, **bf), torch.zeros(b, k, dtype=torch.int32), torch.zeros(h),
-            torch.zeros(b, h, 512, **bf), torch.zeros(b, h, s, 512), torch.zeros(b, h, s, 2)]
-    op = Sm90DecodeAttentionWgmma(mode=mode, scale=512 ** -0.5, chunk=chunk, stages=stages)
-    assert compile_op(op, args) is not None
-
-
-def test_wgmma_configuration_checked():
-    from nvfp4_megamoe.kernels.sm90_decode_attention_wgmma import Sm90DecodeAttentionWgmma
-    with pytest.raises(ValueError, match="chunk"):
-        Sm90DecodeAttentionWgmma(mode="dense", scale=1.0, chunk=48)
-    with pytest.raises(ValueError, match="shared memory"):
-        Sm90DecodeAttentionWgmma(mode="dense", scale=1.0, chunk=64, stages=3)
-
-
-def test_bad_mode_rejected():
+def test_bad_configuration_rejected():
     from nvfp4_megamoe.kernels.sm90_decode_attention import Sm90DecodeAttention
     with pytest.raises(ValueError, match="mode"):
         Sm90DecodeAttention(mode="nope", scale=1.0)
-    with pytest.raises(ValueError, match="pv_heads"):
-        Sm90DecodeAttention(mode="dense", scale=1.0, pv_heads=64)
+    with pytest.raises(ValueError, match="chunk"):
+        Sm90DecodeAttention(mode="dense", scale=1.0, chunk=48)
+    with pytest.raises(ValueError, match="shared memory"):
+        Sm90DecodeAttention(mode="dense", scale=1.0, chunk=64, stages=3)

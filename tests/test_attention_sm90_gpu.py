@@ -64,12 +64,10 @@ CASES = [  # b, h, n (compressed entries), k (indices), mode, splits (None: heur
 ]
 
 
-TILINGS = {  # decode_attention keyword arguments: the mma.sync kernel's two P @ V tilings, the wgmma kernel's rings
-    "mma32": {"pv_heads": 32},
-    "mma16": {"pv_heads": 16},
-    "wg64x2": {"wgmma": True, "chunk": 64, "stages": 2},
-    "wg32x4": {"wgmma": True, "chunk": 32, "stages": 4},
-    "wg16x8": {"wgmma": True, "chunk": 16, "stages": 8},
+TILINGS = {  # decode_attention pipeline options: the default ring and the smaller chunks
+    "c64x2": {},
+    "c32x4": {"chunk": 32, "stages": 4},
+    "c16x8": {"chunk": 16, "stages": 8},
 }
 
 
