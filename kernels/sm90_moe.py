@@ -3,7 +3,9 @@
 Flow of one layer (all on the current CUDA stream, no host sync, no allocation per call: the
 workspaces are sized once for ``max_tokens``, so the call is CUDA-graph capturable):
 
-1. ``Sm90MoeRouting``: pairs (token, slot) sorted by expert -> ``token_of``, ``weight_of``, tiles;
+1. ``Sm90MoeRouting``: pairs (token, slot) sorted by expert -> ``token_of``, ``weight_of``, tiles
+   (skipped for one token: its k pairs are k distinct experts and each pair is a tile of its own,
+   ``direct_top_k`` in ``sm90_moe_gemm``);
 2. ``Sm90Nvfp4GroupedGemm(mode="swiglu")`` over ``w13``: ``h`` [pairs, I] BF16 in sorted order;
    (its CTAs also zero ``out``, so no memset launch);
 3. ``Sm90Nvfp4GroupedGemm(mode="scatter")`` over ``w2``: ``out[t] += w * (h @ W2.T)``.
@@ -100,13 +102,16 @@ class Sm90NvFp4MoE:
         self.hbuf = torch.empty(pairs, intermediate, dtype=torch.bfloat16, device=dev)
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
 
-    def kernels(self, tile_tokens: int, wgmma: bool = False, row_tiles: int = 1
+    def kernels(self, tile_tokens: int, wgmma: bool = False, row_tiles: int = 1, direct: bool = False
                 ) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
         """The three kernel objects used for a token tile size (``wgmma``: the prefill GEMMs; ``row_tiles``:
-        :func:`pick_row_tiles`, which explicit ``tuning`` keys override)."""
+        :func:`pick_row_tiles`, which explicit ``tuning`` keys override; ``direct``: the GEMMs walk the
+        routed pairs themselves and the routing kernel is not launched)."""
         tuning = {**({"row_tiles": 2, "depth": 2} if row_tiles == 2 else {}), **getattr(self, "tuning", {})}
         l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
-        tuning.pop("wgmma", None), tuning.pop("wgmma_min_mean", None)
+        tuning.pop("wgmma", None), tuning.pop("wgmma_min_mean", None), tuning.pop("direct", None)
+        if direct:
+            tuning["direct_top_k"] = self.k
         wg_extra = {**wgmma_shape(tile_tokens), **tuning.pop("wg", {})}
         if wgmma:
             return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
@@ -119,8 +124,9 @@ class Sm90NvFp4MoE:
                 Sm90Nvfp4GroupedGemm(m=self.h, k=self.i, mode="scatter", tile_tokens=tile_tokens,
                                      **{**tuning, **l2_extra}))
 
-    def config(self, tokens: int) -> tuple[int, bool, int]:
-        """(tile_tokens, wgmma, row_tiles) of a call with ``tokens`` tokens: the arguments of :meth:`kernels`."""
+    def config(self, tokens: int) -> tuple[int, bool, int, bool]:
+        """(tile_tokens, wgmma, row_tiles, direct) of a call with ``tokens`` tokens: the arguments of
+        :meth:`kernels`. ``direct`` (no routing kernel) for one token unless ``tuning={"direct": False}``."""
         tuning = getattr(self, "tuning", {})
         wg = tuning.get("wgmma")
         if wg is None:
@@ -129,7 +135,7 @@ class Sm90NvFp4MoE:
         rt = 1
         if not wg and self.h % 128 == 0 and (2 * self.i) % 128 == 0:
             rt = pick_row_tiles(tokens, self.k, self.e, 2 * self.i, self.sms)
-        return bn, wg, rt
+        return bn, wg, rt, tokens == 1 and not wg and tuning.get("direct", True)
 
     def warmup(self, ids_dtype: torch.dtype = torch.int32) -> int:
         """Compile every kernel configuration a call with 1 <= T <= ``max_tokens`` can pick (routing ids of
@@ -142,11 +148,13 @@ class Sm90NvFp4MoE:
         ids, wts = torch.empty(p, dtype=ids_dtype, device=dev), torch.empty(p, **f32)
         common = [self.token_of[:p], self.weight_of[:p], self.tiles, self.num_tiles]
         configs = {self.config(n) for n in range(1, self.max_tokens + 1)}
-        for bn, wg, rt in configs:
-            routing, l1, l2 = self.kernels(bn, wg, rt)
-            _compile(routing, [ids, wts, *common, self.rank[:p]])
-            _compile(l1, [w, sc, torch.empty(2, **f32), x, *common, self.hbuf[:p], out])
-            _compile(l2, [w, sc, torch.empty(1, **f32), self.hbuf[:p], *common, out, out])
+        for bn, wg, rt, direct in configs:
+            routing, l1, l2 = self.kernels(bn, wg, rt, direct)
+            pairs = [self.token_of[:p], wts, ids.view(p, 1), self.num_tiles] if direct else common
+            if not direct:
+                _compile(routing, [ids, wts, *common, self.rank[:p]])
+            _compile(l1, [w, sc, torch.empty(2, **f32), x, *pairs, self.hbuf[:p], out])
+            _compile(l2, [w, sc, torch.empty(1, **f32), self.hbuf[:p], *pairs, out, out])
         return len(configs)
 
     def check_weights(self, w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha) -> None:
@@ -183,13 +191,15 @@ class Sm90NvFp4MoE:
         _expect(out.dtype == torch.float32 and tuple(out.shape) == (t, self.h) and out.is_contiguous(),
                 "out must be contiguous float32 [T, H]")
         pairs = t * self.k
-        bn, wg, rt = self.config(t)
-        routing, l1, l2 = self.kernels(bn, wg, rt)
-        tiles = self.tiles[:max_tiles_for(pairs, self.e, bn)]
-        token_of, weight_of, rank = self.token_of[:pairs], self.weight_of[:pairs], self.rank[:pairs]
-        hbuf = self.hbuf[:pairs]
-        _launch(routing, [topk_ids.reshape(-1), topk_weights.reshape(-1), token_of, weight_of, tiles,
-                          self.num_tiles, rank])
+        bn, wg, rt, direct = self.config(t)
+        routing, l1, l2 = self.kernels(bn, wg, rt, direct)
+        token_of, hbuf = self.token_of[:pairs], self.hbuf[:pairs]
+        if direct:  # one tile per routed pair, in [T, k] order: no sort, no routing launch
+            tiles, weight_of = topk_ids.reshape(pairs, 1), topk_weights.reshape(-1)
+        else:
+            tiles, weight_of = self.tiles[:max_tiles_for(pairs, self.e, bn)], self.weight_of[:pairs]
+            _launch(routing, [topk_ids.reshape(-1), topk_weights.reshape(-1), token_of, weight_of, tiles,
+                              self.num_tiles, self.rank[:pairs]])
         _launch(l1, [w13, w13_scale, w13_alpha.reshape(-1), x, token_of, weight_of, tiles, self.num_tiles, hbuf,
                      out])  # zeroes out; alpha pairs flattened to [2E]
         _launch(l2, [w2, w2_scale, w2_alpha, hbuf, token_of, weight_of, tiles, self.num_tiles, out, out])

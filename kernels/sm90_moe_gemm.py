@@ -69,12 +69,17 @@ class Sm90Nvfp4GroupedGemm:
             their own dependent start early. Only for the MoE chain routing -> L1 -> L2 (``sm90_moe``).
         pdl_prefetch: with ``pdl``, ``"scatter"`` also asks the L2 for the rest of its weight slice
             before waiting, so the weights stream in while L1 finishes.
+        direct_top_k: ``"swiglu"``/``"scatter"`` without the routing kernel (``k`` > 0): work tile ``p`` is
+            routed pair ``p`` alone, ``tiles`` is ``topk_ids`` viewed [P, 1] (int32 or int64), the
+            weights ``topk_weights`` [P] in pair order, token ``p // k`` (``token_of`` and
+            ``num_tiles`` unused). For one token, whose k pairs go to k distinct experts, this reads
+            each expert once, like the sorted tiles, and saves the routing launch.
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
                  warps: int = 4, row_tiles: int = 1, depth: int = 4, b_depth: int | None = None,
                  split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
-                 pdl_prefetch: bool = False):
+                 pdl_prefetch: bool = False, direct_top_k: int = 0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -97,7 +102,8 @@ class Sm90Nvfp4GroupedGemm:
         if l2_prefetch not in ptx.L2_PREFETCH_BYTES:
             raise ValueError(f"l2_prefetch must be one of {ptx.L2_PREFETCH_BYTES}, got {l2_prefetch}")
         self.l2_prefetch = l2_prefetch
-        self.pdl = pdl and mode != "store"
+        self.direct_top_k = direct_top_k if mode != "store" else 0
+        self.pdl = pdl and mode != "store" and not self.direct_top_k   # PDL orders us after the routing kernel
         self.pdl_prefetch = pdl_prefetch and self.pdl and mode == "scatter"
         self.scale_bytes = swizzled_nbytes(m, k // 16)  # per expert
         self.kb4 = math.ceil(k // 16 / 4)  # 512-byte scale atoms per 128 rows
@@ -111,7 +117,8 @@ class Sm90Nvfp4GroupedGemm:
 
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
-                self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch)
+                self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
+                self.direct_top_k)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -148,6 +155,10 @@ class Sm90Nvfp4GroupedGemm:
         if const_expr(self.mode == "store"):
             if end > mX.shape[0]:
                 end = mX.shape[0]
+        elif const_expr(self.direct_top_k > 0):
+            expert = Int32(mTiles[by, 0])                # the grid has exactly one tile per pair
+            begin = by
+            end = by + 1
         else:
             if by >= mNumTiles[0]:
                 live = Int32(0)
@@ -158,6 +169,16 @@ class Sm90Nvfp4GroupedGemm:
         if live != 0:
             self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx, bz * self.n_kt,
                       warp, g, c)
+
+    @cute.jit
+    def token_of(self, mTok: cute.Tensor, p: Int32) -> Int32:
+        """The token of sorted pair ``p`` (direct mode: pairs in [T, k] order)."""
+        tok = p
+        if const_expr(self.direct_top_k > 0):
+            tok = p // self.direct_top_k
+        else:
+            tok = mTok[p]
+        return tok
 
     @cute.jit
     def zero_output(self, mZero: cute.Tensor, bx: Int32, by: Int32, tidx: Int32):
@@ -195,7 +216,7 @@ class Sm90Nvfp4GroupedGemm:
                 t = cnt - 1
             brow = begin + t
             if const_expr(self.mode == "swiglu"):
-                brow = mTok[brow]
+                brow = self.token_of(mTok, brow)
             b_addr[nb] = x_base + Int64(brow) * (k * 2)
 
         # --- register pipeline of weight words and scale pairs ---
@@ -330,7 +351,7 @@ class Sm90Nvfp4GroupedGemm:
                             addr = out_base + (Int64(p) * (self.m // 2) + Int64(j)) * 2
                             ptx.st_global_b16(addr, ptx.f32x2_to_bf16x2(hval, hval))
                         elif const_expr(self.mode == "scatter"):
-                            tok = mTok[p]
+                            tok = self.token_of(mTok, p)
                             wt = mRW[p]
                             addr = out_base + (Int64(tok) * self.m + Int64(r0)) * 4
                             ptx.red_add_f32(addr, lo * wt)

@@ -117,9 +117,31 @@ def test_warmup_compiles_every_configuration_a_call_can_pick():
     layer = Sm90NvFp4MoE(hidden=4096, intermediate=2048, experts=256, top_k=6, swiglu_limit=10.0,
                          max_tokens=400, device="cpu")
     picked = {layer.config(t) for t in range(1, 401)}
-    # T = 1: one row tile; then two; from 342 tokens (8 pairs per expert) the WGMMA kernels
-    assert (8, False, 1) in picked and (8, False, 2) in picked and any(wg for _, wg, _ in picked)
+    # T = 1: one row tile, no routing kernel; then two; from 342 tokens (8 pairs per expert) the WGMMA kernels
+    assert layer.config(1) == (8, False, 1, True) and (8, False, 2, False) in picked
+    assert any(wg for _, wg, _, _ in picked)
     assert layer.warmup() == len(picked)
-    for bn, wg, rt in picked:
-        for op in layer.kernels(bn, wg, rt):
+    for bn, wg, rt, direct in picked:
+        routing, l1, l2 = layer.kernels(bn, wg, rt, direct)
+        for op in (l1, l2) if direct else (routing, l1, l2):
             assert any(key[1] == op.key() for key in cute_host._COMPILED), (bn, wg, rt, type(op).__name__)
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_direct_gemms_compile_sm90a(ids_dtype):
+    """One token: the GEMMs read topk_ids [P, 1] and topk_weights [P] themselves (no routing kernel)."""
+    h, i, experts = V4["flash"]
+    layer = _Layer(h, i, experts, 6, 10.0)
+    _, l1, l2 = Sm90NvFp4MoE.kernels(layer, 8, False, 1, direct=True)
+    assert l1.direct_top_k == 6 and l2.direct_top_k == 6 and not l1.pdl
+    e, p = 2, 6
+    ids, wts, tok, ntiles = torch.zeros(p, 1, dtype=ids_dtype), torch.zeros(p), torch.zeros(p, dtype=torch.int32), \
+        torch.zeros(1, dtype=torch.int32)
+    hbuf = torch.zeros(p, i, dtype=torch.bfloat16)
+    w13 = torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8)
+    s13 = torch.zeros(e, swizzled_nbytes(2 * i, h // 16), dtype=torch.uint8)
+    x, out = torch.zeros(1, h, dtype=torch.bfloat16), torch.zeros(1, h)
+    assert compile_op(l1, [w13, s13, torch.zeros(2 * e), x, tok, wts, ids, ntiles, hbuf, out]) is not None
+    w2 = torch.zeros(e, h, i // 2, dtype=torch.uint8)
+    s2 = torch.zeros(e, swizzled_nbytes(h, i // 16), dtype=torch.uint8)
+    assert compile_op(l2, [w2, s2, torch.zeros(e), hbuf, tok, wts, ids, ntiles, out, out]) is not None

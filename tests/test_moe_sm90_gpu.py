@@ -88,6 +88,8 @@ TUNED = [
     ("flash", 1, "uniform", {"row_tiles": 2, "depth": 2}),
     ("flash", 64, "skewed", {"row_tiles": 1, "depth": 4, "pdl": True}),
     ("small", 130, "skewed", {"row_tiles": 2, "pdl": True, "pdl_prefetch": True}),
+    ("flash", 1, "uniform", {"direct": False}),    # one token through the routing kernel (default: direct)
+    ("pro", 1, "skewed", {"direct": False}),
 ]
 
 
@@ -117,13 +119,13 @@ def test_moe_matches_reference(shape, tokens, kind, tuning=None):
     assert float(ref.abs().mean()) > 1e-2
 
 
+@pytest.mark.parametrize("t", [37, 1])
 @pytest.mark.parametrize("tuning", [None, {"pdl": True, "pdl_prefetch": True}])
-def test_moe_int32_ids_and_cuda_graph(tuning):
+def test_moe_int32_ids_and_cuda_graph(tuning, t):
     h, i, e, k = SHAPES["small"]
     w = _weights("small")
     layer = _layer("small", tuning)
     gen = torch.Generator(device="cuda").manual_seed(99)
-    t = 37
     x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
     ids, wts = routing(t, e, k, "uniform", gen)
     ids = ids.to(torch.int32)
