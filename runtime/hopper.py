@@ -55,11 +55,16 @@ class HopperBackend(ReferenceBackend):
         from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
 
         n, two_i, half_h = experts.w13.shape
-        key = (2 * half_h, two_i // 2, n, top_k, swiglu_limit, str(device))
+        # a rank holding part of the experts maps the pairs it does not hold to local expert 0 (weight 0),
+        # so one token's pairs are no longer distinct experts: keep the routing kernel, which reads each
+        # expert once, instead of one tile per pair
+        partial = n < experts.n_experts
+        key = (2 * half_h, two_i // 2, n, top_k, swiglu_limit, str(device), partial)
         if key not in self._moe_layers:
             try:
                 layer = Sm90NvFp4MoE(hidden=key[0], intermediate=key[1], experts=n, top_k=top_k,
-                                     swiglu_limit=swiglu_limit, max_tokens=self.max_tokens, device=device)
+                                     swiglu_limit=swiglu_limit, max_tokens=self.max_tokens, device=device,
+                                     tuning={"direct": False} if partial else None)
                 layer.kernels(8)  # raises ValueError for shapes the kernels do not tile
                 layer.warmup()    # every configuration up to max_tokens: no forward compiles
             except ValueError:
