@@ -137,7 +137,7 @@ def check_mxfp4(item: Item, sources: list[dict[str, str]], read: SourceReader, a
     src_s = [read(p["scale"]).view(torch.uint8) for p in sources]
     nonzero = [nonzero_blocks(w) for w in src_w]
     k = [e8m0_exponent(s) for s in src_s]
-    m = shared_exponent(src_s, nonzero)
+    m = shared_exponent(src_s, src_w)
     want_alpha = math.ldexp(1.0, m)
     if any(a != want_alpha for a in item.alphas):
         acc.problem(item.names["alpha"], f"alpha{item.where()} is {list(item.alphas)!r}, the MXFP4 cast gives "

@@ -52,27 +52,44 @@ class CastResult:
 _MAGNITUDE_BITS = 0x7777777777777777
 
 
-def nonzero_blocks(packed: torch.Tensor) -> torch.Tensor:
-    """[..., K/2] packed -> bool [..., K/32]: does the 32-block hold a non-zero value?
+def _block_words(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] packed -> int64 [..., K/32, 2]: each 32-block's 16 bytes as two words."""
+    return packed.view(torch.uint8).contiguous().view(torch.int64).reshape(*packed.shape[:-1], -1, 2)
+
+
+def nonzero_blocks(packed: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., K/2] packed -> bool [..., K/32]: does the 32-block hold a non-zero value? With ``where``
+    (bool [..., K/32]) only the selected blocks are looked at: bool [n selected], in ``where``'s order.
 
     A code is zero when its magnitude bits are 0 (+0 or -0), so a block is zero exactly when its
     16 bytes, read as two 64-bit words, OR-ed and masked with 0x77..77, are zero.
     """
-    words = packed.view(torch.uint8).contiguous().view(torch.int64).reshape(*packed.shape[:-1], -1, 2)
+    words = _block_words(packed)
+    if where is not None:
+        words = words[where]
     return ((words[..., 0] | words[..., 1]) & _MAGNITUDE_BITS) != 0
 
 
-def shared_exponent(scales: list[torch.Tensor], nonzero: list[torch.Tensor]) -> int:
-    """``m = k_max - 8`` over the non-zero 32-blocks (masks from :func:`nonzero_blocks`) of all
-    the matrices (0 if all are zero)."""
+def shared_exponent(scales: list[torch.Tensor], packed: list[torch.Tensor]) -> int:
+    """``m = k_max - 8`` over the non-zero 32-blocks of all the matrices (0 if all are zero).
+
+    The blocks holding a matrix's largest scale byte are looked at first: if one of them is non-zero
+    that byte is the matrix's maximum, and the full pass over the codes (as long as a cast) is skipped.
+    """
     k_max = None
-    for s, nz in zip(scales, nonzero):
+    for s, p in zip(scales, packed):
         b = s.view(torch.uint8)
-        if b.numel() and int(b.max()) == E8M0_NAN:
+        if not b.numel():
+            continue
+        top = int(b.max())
+        if top == E8M0_NAN:
             raise ValueError("E8M0 scale byte 0xFF (NaN) cannot be cast")
-        if nz.any():
-            top = int((b * nz).max()) - 127  # E8M0 bytes order like their exponents; zero blocks count as byte 0
-            k_max = top if k_max is None else max(k_max, top)
+        if not bool(nonzero_blocks(p, b == top).any()):
+            nz = nonzero_blocks(p)
+            if not bool(nz.any()):
+                continue
+            top = int((b * nz).max())  # E8M0 bytes order like their exponents; zero blocks count as byte 0
+        k_max = top - 127 if k_max is None else max(k_max, top - 127)
     return 0 if k_max is None else k_max - E4M3_POW2_MAX
 
 
@@ -89,17 +106,17 @@ def _scale_pairs(m: int) -> torch.Tensor:
 
 def mxfp4_to_nvfp4(packed: list[torch.Tensor], scales: list[torch.Tensor]) -> CastResult:
     """Cast MXFP4 matrices (e.g. [w1, w3]) onto one NVFP4 global scale; see the module docstring."""
-    nonzero = [nonzero_blocks(p) for p in packed]
-    m = shared_exponent(scales, nonzero)
+    m = shared_exponent(scales, packed)
     pairs = _scale_pairs(m)
     out_packed, out_scales, fallbacks = [], [], 0
-    for p, s, nz in zip(packed, scales, nonzero):
+    for p, s in zip(packed, scales):
         p, b = p.view(torch.uint8), s.view(torch.uint8)
         # Each E8M0 byte becomes its two 16-block scale bytes by one int16 lookup.
         sb = pairs.index_select(0, b.reshape(-1).int()).view(torch.uint8).reshape(*b.shape[:-1], 2 * b.shape[-1])
         if b.numel() and int(b.min()) - 127 - m < E4M3_POW2_MIN:  # out-of-range blocks possible: find them
             rel = e8m0_exponent(b) - m
-            out_of_range = nz & (rel < E4M3_POW2_MIN)
+            out_of_range = rel < E4M3_POW2_MIN
+            out_of_range[out_of_range.clone()] = nonzero_blocks(p, out_of_range)  # zero blocks stay exact
             if out_of_range.any():
                 fallbacks += int(out_of_range.sum())
                 p = requantize_blocks(p, rel, out_of_range)

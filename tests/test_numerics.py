@@ -13,7 +13,7 @@ from nvfp4_megamoe.kernels.e2m1 import (E2M1_MAGNITUDES, decode_e2m1, decode_e2m
                                         unpack_nibbles)
 from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize, fp8_block_quantize
 from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up, interleave_gate_up
-from nvfp4_megamoe.kernels.mxfp4 import dequantize_mxfp4, mxfp4_to_nvfp4
+from nvfp4_megamoe.kernels.mxfp4 import dequantize_mxfp4, mxfp4_to_nvfp4, shared_exponent
 from nvfp4_megamoe.kernels.nvfp4 import dequantize_nvfp4, encode_nvfp4, quantize_nvfp4, reconcile_global_scales
 from nvfp4_megamoe.kernels.scales import decode_e4m3, decode_e8m0, encode_e4m3, encode_e8m0, e8m0_exponent
 from nvfp4_megamoe.kernels.swizzle import swizzle_block_scales, swizzle_padding, unswizzle_block_scales
@@ -215,6 +215,26 @@ def test_mxfp4_cast_counts_and_bounds_out_of_range_blocks():
     want = dequantize_mxfp4(w3, s3)
     assert torch.equal(got[1:], want[1:])
     assert float((got[0] - want[0]).abs().max()) <= r.alpha * 2**-9 * 0.25 * 2  # within half a step of the new grid
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31), zero_top=st.booleans(), zero_rows=st.integers(0, 12))
+def test_mxfp4_shared_exponent_ignores_zero_blocks(seed, zero_top, zero_rows):
+    """The shortcut (blocks with the largest scale byte first) gives the definition's k_max - 8: the
+    largest E8M0 exponent over the non-zero blocks, with zero blocks (here some carrying the largest
+    byte) left out and all-zero matrices contributing nothing."""
+    w1, s1 = _random_mxfp4(12, 128, 100, 125, seed)
+    w3, s3 = _random_mxfp4(12, 128, 100, 125, seed + 1)
+    w1[:zero_rows] = 0
+    if zero_top:  # the largest scale byte sits on zero blocks only
+        s1[:max(zero_rows, 1)] = 140
+        w1[:max(zero_rows, 1)] = 0
+    nonzero = [(unpack_nibbles(w.view(torch.uint8)).reshape(12, -1, 32) & 7).any(-1) for w in (w1, w3)]
+    tops = [int(s[nz].max()) - 127 for s, nz in zip((s1, s3), nonzero) if nz.any()]
+    want = max(tops) - 8 if tops else 0
+    assert shared_exponent([s1, s3], [w1, w3]) == want
+    assert mxfp4_to_nvfp4([w1, w3], [s1, s3]).alpha == 2.0 ** want
+    assert shared_exponent([s1[:0]], [w1[:0]]) == 0 and shared_exponent([s1], [torch.zeros_like(w1)]) == 0
 
 
 def test_mxfp4_cast_rejects_nan_scale():
