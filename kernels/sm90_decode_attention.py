@@ -134,7 +134,6 @@ class Sm90DecodeAttention:
         split, hb, b = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()  # the combine (PDL) may take its SM slots now; it waits for us
         C = self.chunk
-        NS = C // 2                                  # S accumulators per thread
         n_splits = mML.shape[2]
         n_heads = mQ.shape[1]
         wg = tidx // 128
@@ -191,7 +190,6 @@ class Sm90DecodeAttention:
         x_mine = sbase + self.off_x + wg * self.x_bytes + t * 16
         x_other = sbase + self.off_x + (1 - wg) * self.x_bytes + t * 16
 
-        s_cur = cute.make_rmem_tensor((NS,), Float32)     # this chunk's full S
         for it in cutlass.range(0, n_mine, unroll=1):
             slot = it % self.stages
             kv = sbase + self.off_kv + slot * self.kv_bytes
@@ -206,8 +204,8 @@ class Sm90DecodeAttention:
             s = self.s_half(sbase, kv, wg)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            self.sum_halves(ptx.fence_operands(s), s_cur, x_mine, x_other)
-            pa = self.softmax(s_cur, o, m_run, l_run, sbase + self.off_bias + slot * (C * 4), c)
+            s = self.sum_halves(ptx.fence_operands(s), x_mine, x_other)
+            pa = self.softmax(s, o, m_run, l_run, sbase + self.off_bias + slot * (C * 4), c)
             ov = self.p_v(o, pa, kv, wg)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
@@ -266,17 +264,18 @@ class Sm90DecodeAttention:
             s = ptx.wgmma_bf16_ss(s, da, db, accumulate=ks > 0)
         return s
 
-    def sum_halves(self, s: list, s_cur: cute.Tensor, x_mine: Int32, x_other: Int32):
-        """``s_cur`` = this warpgroup's S half + the partner thread's (same elements), through shared memory."""
+    def sum_halves(self, s: list, x_mine: Int32, x_other: Int32) -> list:
+        """The full S: this warpgroup's half + the partner thread's (same elements), through shared memory."""
         for q in range(len(s) // 4):
             ptx.st_shared_v4_f32(x_mine + q * 2048, s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3])
         cute.arch.barrier()
+        full = []
         for q in range(len(s) // 4):
             v = ptx.ld_shared_v4_f32(x_other + q * 2048)
-            for e in range(4):
-                s_cur[4 * q + e] = s[4 * q + e] + v[e]
+            full += [s[4 * q + e] + v[e] for e in range(4)]
+        return full
 
-    def softmax(self, s: cute.Tensor, o: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, bias: Int32,
+    def softmax(self, s: list, o: cute.Tensor, m_run: cute.Tensor, l_run: cute.Tensor, bias: Int32,
                 c: Int32) -> cute.Tensor:
         """Online softmax step in log2 units: bias, running max, row sums, O rescaled; returns P as the
         bf16 A fragments of P V (the accumulator fragment of S is the A fragment of the next wgmma)."""

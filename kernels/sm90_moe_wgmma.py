@@ -152,7 +152,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                 t = cnt - 1
             brow = begin + t
             if const_expr(self.mode == "swiglu"):
-                brow = mTok[brow]
+                brow = self.token_of(mTok, brow)
             x_addr[i] = x_base + Int64(brow) * (k * 2)
         s_smem = (Int32(sbuf.iterator.toint()) + 1023) & Int32(-1024)  # swizzle atoms need 1024-byte alignment
         # byte offset in a stage of pair (u, hi) of chunk i: half wq // 2, row n, 16-byte chunk j ^ n8, word cq
