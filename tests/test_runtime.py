@@ -32,14 +32,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The reference ops are many small kernels: on a shared 2-core CI box OpenMP threads spinning
-    against other processes make them ~30x slower than one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

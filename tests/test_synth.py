@@ -47,13 +47,7 @@ def _e8m0_exp(s: torch.Tensor) -> torch.Tensor:
     return s.view(torch.uint8).to(torch.int32) - 127
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to a loaded box."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
