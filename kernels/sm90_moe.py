@@ -206,26 +206,53 @@ class Sm90NvFp4MoE:
         return out
 
 
+def dense_linear_op(n: int, k: int, tokens: int, out_bf16: bool = True) -> Sm90Nvfp4GroupedGemm:
+    """The kernel :func:`nvfp4_linear_sm90` launches for ``tokens`` rows of x [., K] against W [N, K]
+    (token tile: the smallest of 8..64 that holds them). ValueError for shapes it does not tile
+    (N % 64, K % 128)."""
+    return Sm90Nvfp4GroupedGemm(m=n, k=k, mode="store", tile_tokens=_smallest_tile(tokens, TILE_TOKEN_CHOICES),
+                                out_bf16=out_bf16)
+
+
+def _dense_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, alpha: torch.Tensor,
+                    out: torch.Tensor) -> list[torch.Tensor]:
+    # one group: the routing operands are unused in "store" mode, 1-element stand-ins fill their places
+    n, half_k = weight.shape
+    unused = torch.zeros(1, 3, dtype=torch.int32, device=x.device)
+    return [weight.view(1, n, half_k), weight_scale.reshape(1, -1), alpha.reshape(1), x,
+            unused[0, :1], alpha.reshape(1), unused, unused[0, :1], out, out]
+
+
+def warmup_nvfp4_linear(n: int, k: int, device: torch.device | str, out_dtype: torch.dtype = torch.float32) -> int:
+    """Compile every token tile :func:`nvfp4_linear_sm90` can pick for W [N, K] (so no call compiles).
+    Returns how many. ValueError for shapes the kernel does not tile."""
+    dev = torch.device(device)
+    w = torch.empty(n, k // 2, dtype=torch.uint8, device=dev)
+    sc = torch.empty(swizzled_nbytes(n, k // 16), dtype=torch.uint8, device=dev)
+    alpha = torch.empty(1, dtype=torch.float32, device=dev)
+    x, out = torch.empty(1, k, dtype=torch.bfloat16, device=dev), torch.empty(1, n, dtype=out_dtype, device=dev)
+    for bn in TILE_TOKEN_CHOICES:
+        _compile(dense_linear_op(n, k, bn, out_dtype == torch.bfloat16), _dense_operands(x, w, sc, alpha, out))
+    return len(TILE_TOKEN_CHOICES)
+
+
 def nvfp4_linear_sm90(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, alpha: torch.Tensor,
                       out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Dense NVFP4 linear ``x @ W.T * alpha`` (the grouped kernel with one group, ``mode="store"``).
 
-    ``x`` bf16 [T, K]; ``weight`` uint8 [N, K/2]; ``weight_scale`` uint8 [swz(N, K/16)]; ``alpha``
+    ``x`` bf16 [T, K] (T >= 1); ``weight`` uint8 [N, K/2]; ``weight_scale`` uint8 [swz(N, K/16)]; ``alpha``
     float32 [] or [1] (a CUDA tensor, so no host sync). Returns ``out_dtype`` (bf16 or f32) [T, N].
     """
     n, half_k = weight.shape
     k = 2 * half_k
-    _expect(x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == k and x.is_contiguous(),
-            f"x must be contiguous bf16 [T, K={k}], got {x.dtype} {tuple(x.shape)}")
+    _expect(x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == k and x.shape[0] >= 1 and x.is_contiguous(),
+            f"x must be contiguous bf16 [T >= 1, K={k}], got {x.dtype} {tuple(x.shape)}")
     _expect(weight_scale.numel() == swizzled_nbytes(n, k // 16), "weight_scale must hold swz(N, K/16) bytes")
     _expect(alpha.dtype == torch.float32 and alpha.numel() == 1 and alpha.is_cuda, "alpha must be a float32 CUDA scalar")
     if out is None:
         out = torch.empty(x.shape[0], n, dtype=out_dtype, device=x.device)
-    bn = 8
-    while bn < 64 and bn < x.shape[0]:
-        bn *= 2
-    op = Sm90Nvfp4GroupedGemm(m=n, k=k, mode="store", tile_tokens=bn, out_bf16=out.dtype == torch.bfloat16)
-    dummy_i = torch.zeros(1, 3, dtype=torch.int32, device=x.device)
-    _launch(op, [weight.view(1, n, half_k), weight_scale.reshape(1, -1), alpha.reshape(1), x,
-                 dummy_i[0, :1], alpha.reshape(1), dummy_i, dummy_i[0, :1], out, out])
+    _expect(tuple(out.shape) == (x.shape[0], n) and out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous(),
+            f"out must be contiguous bf16/f32 [T, N={n}], got {out.dtype} {tuple(out.shape)}")
+    op = dense_linear_op(n, k, x.shape[0], out.dtype == torch.bfloat16)
+    _launch(op, _dense_operands(x, weight, weight_scale, alpha, out))
     return out

@@ -64,3 +64,14 @@ def swizzle_padding(flat: torch.Tensor, rows: int, scale_cols: int) -> torch.Ten
     mp, kbp = swizzled_shape(rows, scale_cols)
     full = flat.reshape(mp // ROW_ATOM, kbp // COL_ATOM, 32, 4, COL_ATOM).permute(0, 3, 2, 1, 4).reshape(mp, kbp)
     return torch.cat((full[rows:, :].reshape(-1), full[:rows, scale_cols:].reshape(-1)))
+
+
+def swizzled_row_slice(flat: torch.Tensor, rows: int, scale_cols: int, start: int, stop: int) -> torch.Tensor:
+    """The swizzled scales of rows [start, stop) of an [rows, scale_cols] matrix, as a view of ``flat``.
+
+    Each 128-row block is one contiguous run of atoms, so a slice on 128-row boundaries (``stop`` may
+    also be ``rows``) is itself a well-formed swizzled block: ``swizzle(S[start:stop])``."""
+    if start % ROW_ATOM or not (stop % ROW_ATOM == 0 or stop == rows) or not 0 <= start < stop <= rows:
+        raise ValueError(f"rows [{start}, {stop}) of {rows} do not fall on {ROW_ATOM}-row swizzle blocks")
+    block = ROW_ATOM * _ceil_to(scale_cols, COL_ATOM)
+    return flat.reshape(-1)[start // ROW_ATOM * block: _ceil_to(stop, ROW_ATOM) // ROW_ATOM * block]

@@ -4,7 +4,11 @@ the PyTorch references everywhere else.
 * routed experts: :class:`~nvfp4_megamoe.kernels.sm90_moe.Sm90NvFp4MoE` (W4A16: activations
   rounded to BF16, weights decoded in registers, fp32 accumulation);
 * decode attention: :func:`~nvfp4_megamoe.kernels.sm90_decode_attention.decode_attention`
-  (head_dim 512, heads a multiple of 64), BF16 operands.
+  (head_dim 512, heads a multiple of 64), BF16 operands;
+* dense NVFP4 linears (attention projections, shared experts, ``wo_a`` per group):
+  :func:`~nvfp4_megamoe.kernels.sm90_moe.nvfp4_linear_sm90` (W4A16, float32 out) where N % 64 and
+  K % 128 allow (``wo_a``: also 128-row groups, so each group's scales are a slice of the swizzled
+  block); FP8 and BF16 linears stay on the reference.
 
 ``load_model(..., device="cuda")`` picks this backend on an sm_90 GPU. Kernels are compiled at
 load (:meth:`HopperBackend.warmup`) so the first forward does not pay for compilation.
@@ -17,7 +21,7 @@ import time
 import torch
 
 from .backend import ReferenceBackend
-from .weights import MoEWeights
+from .weights import Linear, MoEWeights, Nvfp4Linear
 
 # Largest token count one MoE kernel call takes; longer inputs are processed in chunks of it.
 MAX_MOE_TOKENS = 4096
@@ -47,8 +51,55 @@ class HopperBackend(ReferenceBackend):
     def __init__(self, max_tokens: int = MAX_MOE_TOKENS):
         self.max_tokens = max_tokens
         self._moe_layers: dict[tuple, object] = {}
-        self.kernel_calls = {"moe": 0, "decode_attention": 0}
+        self._linear_fits: dict[tuple, bool] = {}
+        self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0}
         self.warmup_seconds: float | None = None
+
+    # -- dense NVFP4 linears ------------------------------------------------------------------------
+    def _kernel_tiles(self, n: int, k: int, device: torch.device) -> bool:
+        """Whether the dense kernel tiles W [n, k]; the first time, compiles all its token tiles."""
+        from nvfp4_megamoe.kernels.sm90_moe import warmup_nvfp4_linear
+
+        key = (n, k, str(device))
+        if key not in self._linear_fits:
+            try:
+                warmup_nvfp4_linear(n, k, device)
+                self._linear_fits[key] = True
+            except ValueError:
+                self._linear_fits[key] = False
+        return self._linear_fits[key]
+
+    def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
+        from nvfp4_megamoe.kernels.sm90_moe import nvfp4_linear_sm90
+
+        if not (isinstance(w, Nvfp4Linear) and x.is_cuda and x.numel()):
+            return super().linear(x, w)
+        n, k = w.weight.shape[0], 2 * w.weight.shape[1]
+        if not self._kernel_tiles(n, k, x.device):
+            return super().linear(x, w)
+        xb = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+        out = nvfp4_linear_sm90(xb, w.weight, w.weight_scale, w.alpha, out_dtype=torch.float32)
+        self.kernel_calls["linear"] += 1
+        return out.view(*x.shape[:-1], n)
+
+    def grouped_linear(self, x: torch.Tensor, w: Linear, groups: int) -> torch.Tensor:
+        from nvfp4_megamoe.kernels.sm90_moe import nvfp4_linear_sm90
+        from nvfp4_megamoe.kernels.swizzle import ROW_ATOM, swizzled_row_slice
+
+        if not (isinstance(w, Nvfp4Linear) and x.is_cuda and x.numel()):
+            return super().grouped_linear(x, w, groups)
+        n, k = w.weight.shape[0], 2 * w.weight.shape[1]
+        rows = n // groups
+        if rows % ROW_ATOM or not self._kernel_tiles(rows, k, x.device):
+            return super().grouped_linear(x, w, groups)
+        xg = x.reshape(-1, groups, k).to(torch.bfloat16)
+        out = torch.empty(groups, xg.shape[0], rows, dtype=torch.float32, device=x.device)
+        for g in range(groups):
+            lo, hi = g * rows, (g + 1) * rows
+            nvfp4_linear_sm90(xg[:, g].contiguous(), w.weight[lo:hi], swizzled_row_slice(w.weight_scale, n, k // 16, lo, hi),
+                              w.alpha, out=out[g])
+        self.kernel_calls["linear"] += 1
+        return out.permute(1, 0, 2).reshape(*x.shape[:-1], rows)
 
     # -- MoE --------------------------------------------------------------------------------------
     def _moe_layer(self, experts: MoEWeights, top_k: int, swiglu_limit: float, device: torch.device):

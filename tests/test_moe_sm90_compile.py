@@ -69,13 +69,13 @@ def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma, tuning):
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_dense_linear_compiles_sm90a(out_dtype):
-    n, k, t = 1024, 4096, 5
-    op = Sm90Nvfp4GroupedGemm(m=n, k=k, mode="store", tile_tokens=8, out_bf16=out_dtype == torch.bfloat16)
-    d = torch.zeros(1, 3, dtype=torch.int32)
-    args = [torch.zeros(1, n, k // 2, dtype=torch.uint8), torch.zeros(1, swizzled_nbytes(n, k // 16), dtype=torch.uint8),
-            torch.zeros(1), torch.zeros(t, k, dtype=torch.bfloat16), d[0, :1], torch.zeros(1), d, d[0, :1],
-            torch.zeros(t, n, dtype=out_dtype), torch.zeros(t, n, dtype=out_dtype)]
-    assert compile_op(op, args) is not None
+    """Every token tile the dense linear picks, with the operands ``nvfp4_linear_sm90`` launches."""
+    from nvfp4_megamoe.kernels.sm90_moe import dense_linear_op, warmup_nvfp4_linear
+
+    assert warmup_nvfp4_linear(1024, 4096, "cpu", out_dtype) == 4
+    assert [dense_linear_op(1024, 4096, t).bn for t in (1, 8, 9, 17, 33, 64, 5000)] == [8, 8, 16, 32, 64, 64, 64]
+    with pytest.raises(ValueError, match="multiple"):  # the runtime falls back to the reference on this
+        warmup_nvfp4_linear(96, 256, "cpu")
 
 
 def test_wgmma_heuristics_and_bad_config():

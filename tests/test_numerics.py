@@ -16,7 +16,8 @@ from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up, interleave_ga
 from nvfp4_megamoe.kernels.mxfp4 import dequantize_mxfp4, mxfp4_to_nvfp4, shared_exponent
 from nvfp4_megamoe.kernels.nvfp4 import dequantize_nvfp4, encode_nvfp4, quantize_nvfp4, reconcile_global_scales
 from nvfp4_megamoe.kernels.scales import decode_e4m3, decode_e8m0, encode_e4m3, encode_e8m0, e8m0_exponent
-from nvfp4_megamoe.kernels.swizzle import swizzle_block_scales, swizzle_padding, unswizzle_block_scales
+from nvfp4_megamoe.kernels.swizzle import (swizzle_block_scales, swizzle_padding, swizzled_row_slice,
+                                          unswizzle_block_scales)
 
 SETTINGS = settings(max_examples=40, deadline=None)
 
@@ -124,6 +125,21 @@ def test_swizzle_matches_formula_and_inverts(rows, cols, seed):
     assert torch.equal(unswizzle_block_scales(flat, rows, cols), s)
     assert int(swizzle_padding(flat, rows, cols).count_nonzero()) == 0
     assert int(flat.count_nonzero()) == rows * cols
+
+
+@SETTINGS
+@given(blocks=st.integers(1, 4), tail=st.integers(0, 127), cols=st.integers(1, 19), seed=st.integers(0, 2**31))
+def test_swizzled_row_slice_is_the_swizzle_of_the_rows(blocks, tail, cols, seed):
+    rows = 128 * blocks + tail
+    s = torch.randint(1, 256, (rows, cols), dtype=torch.uint8, generator=_gen(seed))
+    flat = swizzle_block_scales(s)
+    for start in range(0, rows, 128):
+        for stop in {min(start + 128, rows), rows}:
+            got = swizzled_row_slice(flat, rows, cols, start, stop)
+            assert got.data_ptr() >= flat.data_ptr()  # a view, no copy
+            assert torch.equal(got, swizzle_block_scales(s[start:stop]))
+    with pytest.raises(ValueError, match="128-row"):
+        swizzled_row_slice(flat, rows, cols, 64, rows)
 
 
 @SETTINGS

@@ -13,7 +13,9 @@ import torch
 from nvfp4_megamoe.convert.api import convert_checkpoint
 from nvfp4_megamoe.convert.synth import write_synthetic
 from nvfp4_megamoe.runtime import HopperBackend, ReferenceBackend, load_model
+from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
 from nvfp4_megamoe.runtime.hopper import hopper_available
+from nvfp4_megamoe.runtime.weights import Nvfp4Linear
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,13 +31,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def converted(tmp_path_factory):
     made = {}
 
-    def get(variant: str):
-        if variant not in made:
-            root = tmp_path_factory.mktemp(variant)
+    def get(variant: str, dense: str = "keep"):
+        if (variant, dense) not in made:
+            root = tmp_path_factory.mktemp(f"{variant}-{dense}")
             src = write_synthetic(root / "src", preset="tiny", variant=variant, seed=0)
-            convert_checkpoint(src, root / "out", dense="keep", progress=False)
-            made[variant] = root / "out"
-        return made[variant]
+            convert_checkpoint(src, root / "out", dense=dense, progress=False)
+            made[variant, dense] = root / "out"
+        return made[variant, dense]
 
     return get
 
@@ -60,8 +62,8 @@ def test_moe_kernel_matches_reference_on_loaded_layers(converted, variant):
         assert rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("variant", ["flash", "modelopt"])
-def test_logits_with_kernels_match_reference_path(converted, variant):
+@pytest.mark.parametrize("variant,dense", [("flash", "keep"), ("modelopt", "keep"), ("flash", "nvfp4")])
+def test_logits_with_kernels_match_reference_path(converted, variant, dense):
     """Prefill and decode logits with the kernels vs the fp32 reference path.
 
     16 tokens: fewer compressed entries than the indexer's top-k, so no discrete top-k choice can
@@ -69,7 +71,7 @@ def test_logits_with_kernels_match_reference_path(converted, variant):
     random synthetic models amplify that rounding through router/indexer top-k flips (3-6e-2 at
     160 tokens, printed for the record), as any change of rounding would.
     """
-    out = converted(variant)
+    out = converted(variant, dense)
     fast = load_model(out, device="cuda")
     slow = load_model(out, device="cuda", backend=ReferenceBackend())
     ids = torch.randint(0, fast.config.vocab_size, (1, 160), generator=torch.Generator().manual_seed(3)).cuda()
@@ -82,6 +84,38 @@ def test_logits_with_kernels_match_reference_path(converted, variant):
     print(f"{variant}: 16-token prefill/decode worst step rel err {worst:.3e}")
     assert worst < 1e-2
     assert fast.backend.kernel_calls["moe"] > 0
+    if dense == "nvfp4":  # attention projections and shared experts are NVFP4: the dense kernel ran
+        assert fast.backend.kernel_calls["linear"] > 0
+
+
+def _nvfp4_linear(n: int, k: int, seed: int) -> Nvfp4Linear:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = random_moe_weights(1, k, n // 2, generator=gen, device="cuda")
+    return Nvfp4Linear(w["w13"][0], w["w13_scale"][0], w["w13_alpha"][0, 0].reshape(()))
+
+
+@pytest.mark.parametrize("n,k,kernel", [(512, 256, True), (192, 384, True), (96, 256, False)])
+def test_dense_linear_kernel_matches_reference(n, k, kernel):
+    """Any leading shape; N % 64 or K % 128 outside the kernel's tiling falls back to the reference."""
+    be, w = HopperBackend(), _nvfp4_linear(n, k, n + k)
+    for lead in ((1,), (2, 5), (3, 70)):
+        x = torch.randn(*lead, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(len(lead)))
+        before = be.kernel_calls["linear"]
+        got = be.linear(x, w)
+        assert be.kernel_calls["linear"] == before + kernel
+        assert got.shape == (*lead, n) and got.dtype == torch.float32
+        assert rel(got, ReferenceBackend().linear(x.to(torch.bfloat16).float(), w)) < 1e-2
+
+
+@pytest.mark.parametrize("groups,rows,kernel", [(4, 128, True), (2, 256, True), (4, 64, False)])
+def test_grouped_linear_kernel_matches_reference(groups, rows, kernel):
+    """``wo_a``: each group's weight rows and the matching slice of the swizzled scales (128-row groups)."""
+    be, w, k = HopperBackend(), _nvfp4_linear(groups * rows, 256, groups), 256
+    x = torch.randn(2, 9, groups, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7))
+    got = be.grouped_linear(x, w, groups)
+    assert be.kernel_calls["linear"] == int(kernel)
+    assert got.shape == (2, 9, groups, rows)
+    assert rel(got, ReferenceBackend().grouped_linear(x.to(torch.bfloat16).float(), w, groups)) < 1e-2
 
 
 def test_expert_range_on_gpu_is_a_partial_sum(converted):
