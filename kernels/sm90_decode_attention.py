@@ -37,6 +37,12 @@ slot >= window_len, index -1) ``stages - 1`` chunks ahead; a barrier per chunk p
 chunk (after a proxy fence: ``wgmma`` reads shared memory through the async proxy) and frees the slot
 the previous chunk used.
 
+Small splits, one cluster (:func:`pick_cluster`): when a head block has at most 4 splits in a small
+grid, its splits run as one thread-block cluster and merge their O through distributed shared memory
+(:meth:`Sm90DecodeAttention.cluster_merge`), so no partial goes through HBM and the combine kernel is
+not launched: 6-12 % faster at 3 splits (context 4K, B = 1 and 8), 3-27 % with 2 splits (V4-Pro,
+B = 32). Larger clusters, or 4-CTA clusters in a full grid, were slower and are not picked.
+
 Measured on an H200 (``docs/benchmarks.md``, variants in ``docs/attention_variants.json``): chunk 64
 with 2 stages is the default; issuing S of the next chunk before this chunk's softmax (chunk 32, 4
 stages: the only ring with room for it) gained at most 2 % and lost up to 10 % on CSA, and each
@@ -70,11 +76,21 @@ CHUNK = 64                             # the default chunk
 LOG2E = 1.4426950408889634
 NEG_BIG = -1.0e30
 MODES = ("window", "indexed", "dense")
+CLUSTERS = (1, 2, 4, 8, 16)
+MAX_CLUSTER = 4                        # the largest cluster pick_cluster picks by default (measured)
+CLUSTER_GRID = 64                      # CTAs up to which clusters of more than two CTAs are picked (measured)
+O_ROW = HEAD_DIM * 4                   # bytes of one head's float32 O row in the cluster exchange
+GRANULES = HEADS_PER_CTA * HEAD_DIM // 4   # 16-byte float32 granules of a CTA's O tile
 
 
 def smem_bytes(chunk: int, stages: int) -> int:
     """Dynamic shared memory of a configuration (Q, ring, S exchange, bias, alignment slack)."""
     return BLOCKS * Q_BLOCK + stages * chunk * ROW + 2 * HEADS_PER_CTA * chunk * 4 + stages * chunk * 4 + 1024
+
+
+def cluster_fits(chunk: int, stages: int) -> bool:
+    """Whether the Q and KV buffers of a pipeline hold the float32 O tile a cluster merge exchanges."""
+    return BLOCKS * Q_BLOCK + stages * chunk * ROW >= HEADS_PER_CTA * O_ROW
 
 
 class Sm90DecodeAttention:
@@ -86,15 +102,18 @@ class Sm90DecodeAttention:
         scale: logit scale (512**-0.5 in V4), folded into the kernel with log2(e).
         chunk: KV entries per pipeline step (16, 32 or 64).
         stages: KV buffers in the ring (``stages - 1`` chunks in flight while one is computed).
+        cluster: 1, or the splits of a head block as one cluster that merges them in distributed shared
+            memory (:meth:`cluster_merge`; the grid's x is ``cluster``, ``ml`` has S = 1, ``o_part`` is not
+            touched).
 
     Operands (all contiguous): ``q`` bf16 [B, H, 512], ``kv_window`` bf16 [B, W, 512], ``window_len``
     int32 [B], ``kv_compressed`` bf16 [B, N, 512], ``indices`` int32 [B, K], ``sink`` f32 [H],
     ``out`` bf16 [B, H, 512], ``o_part`` f32 [B, H, S, 512], ``ml`` f32 [B, H, S, 2] (S = splits,
-    the grid's x; with S = 1 ``o_part`` is not touched). In ``"window"`` mode the compressed operands
+    the grid's x without a cluster; with S = 1 ``o_part`` is not touched). In ``"window"`` mode the compressed operands
     are placeholders (any tensors of those dtypes and ranks).
     """
 
-    def __init__(self, *, mode: str, scale: float, chunk: int = CHUNK, stages: int = 2):
+    def __init__(self, *, mode: str, scale: float, chunk: int = CHUNK, stages: int = 2, cluster: int = 1):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if chunk not in CHUNKS:
@@ -102,7 +121,13 @@ class Sm90DecodeAttention:
         if stages < 2 or smem_bytes(chunk, stages) > SMEM_LIMIT:
             raise ValueError(f"stages={stages} with chunk={chunk} needs {smem_bytes(chunk, stages)} B of shared "
                              f"memory (at least 2 stages, at most {SMEM_LIMIT} B)")
+        if cluster not in CLUSTERS:
+            raise ValueError(f"cluster must be one of {CLUSTERS}, got {cluster}")
+        if cluster > 1 and not cluster_fits(chunk, stages):
+            raise ValueError(f"cluster={cluster} exchanges O through the Q and KV buffers: chunk={chunk} x "
+                             f"stages={stages} leaves them smaller than the {HEADS_PER_CTA * O_ROW} B O tile")
         self.mode = mode
+        self.cluster = cluster
         self.scale = float(scale)
         self.sl2 = float(scale) * LOG2E
         self.chunk = chunk
@@ -113,18 +138,25 @@ class Sm90DecodeAttention:
         self.off_kv = BLOCKS * Q_BLOCK
         self.off_x = self.off_kv + stages * self.kv_bytes
         self.off_bias = self.off_x + 2 * self.x_bytes
+        self.off_ml = self.off_x                           # after the loop (cluster): (m, l) per head ..
+        self.off_w = self.off_x + HEADS_PER_CTA * 8        # .. and the merge weights of this CTA's heads
         self.tpr = THREADS // chunk                        # loader threads per KV row
         self.upt = 64 // self.tpr                          # 16-byte pieces per loader thread
 
     def key(self) -> tuple:
-        return (self.mode, self.scale, self.chunk, self.stages)
+        return (self.mode, self.scale, self.chunk, self.stages, self.cluster)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKvw: cute.Tensor, mWlen: cute.Tensor, mKvc: cute.Tensor,
                  mIdx: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor, mOpart: cute.Tensor,
                  mML: cute.Tensor, stream):
-        self.kernel(mQ, mKvw, mWlen, mKvc, mIdx, mSink, mOut, mOpart, mML).launch(
-            grid=[mML.shape[2], mQ.shape[1] // HEADS_PER_CTA, mQ.shape[0]], block=[THREADS, 1, 1], stream=stream)
+        grid = [mML.shape[2] * self.cluster, mQ.shape[1] // HEADS_PER_CTA, mQ.shape[0]]
+        if const_expr(self.cluster > 1):
+            self.kernel(mQ, mKvw, mWlen, mKvc, mIdx, mSink, mOut, mOpart, mML).launch(
+                grid=grid, block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1], stream=stream)
+        else:
+            self.kernel(mQ, mKvw, mWlen, mKvc, mIdx, mSink, mOut, mOpart, mML).launch(
+                grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mKvw: cute.Tensor, mWlen: cute.Tensor, mKvc: cute.Tensor,
@@ -134,13 +166,11 @@ class Sm90DecodeAttention:
         split, hb, b = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()  # the combine (PDL) may take its SM slots now; it waits for us
         C = self.chunk
-        n_splits = mML.shape[2]
+        n_splits = mML.shape[2] * self.cluster
         n_heads = mQ.shape[1]
         wg = tidx // 128
         t = tidx % 128
-        lane = tidx % 32
-        g = lane // 4
-        c = lane % 4
+        c = tidx % 4
 
         W = mKvw.shape[1]
         K = Int32(0)
@@ -152,14 +182,8 @@ class Sm90DecodeAttention:
             K = mKvc.shape[1]
             N = mKvc.shape[1]
         n_chunks = (W + K + C - 1) // C
-        cps = (n_chunks + n_splits - 1) // n_splits
-        c_begin = split * cps
-        c_end = c_begin + cps
-        if c_end > n_chunks:
-            c_end = n_chunks
-        n_mine = c_end - c_begin
-        if n_mine < 0:
-            n_mine = Int32(0)
+        c_begin = split * n_chunks // n_splits          # balanced: split sizes differ by at most one chunk
+        n_mine = (split + 1) * n_chunks // n_splits - c_begin
 
         smem = cutlass.memory.SmemAllocator()
         sraw = smem.allocate_array(cutlass.Int8, smem_bytes(C, self.stages), byte_alignment=16).toint()
@@ -220,6 +244,21 @@ class Sm90DecodeAttention:
             l0 = l0 + cute.arch.shuffle_sync_bfly(l0, 1 << sh)
             l1 = l1 + cute.arch.shuffle_sync_bfly(l1, 1 << sh)
 
+        if const_expr(self.cluster > 1):
+            self.cluster_merge(o, m_run, l0, l1, sbase, mSink, mOut, b, hb, split, tidx)
+        else:
+            self.store(o, m_run, l0, l1, mSink, mOut, mOpart, mML, b, hb, split, n_splits, tidx)
+
+    @cute.jit
+    def store(self, o: cute.Tensor, m_run: cute.Tensor, l0: Float32, l1: Float32, mSink: cute.Tensor,
+              mOut: cute.Tensor, mOpart: cute.Tensor, mML: cute.Tensor, b: Int32, hb: Int32, split: Int32,
+              n_splits: Int32, tidx: Int32):
+        """No cluster: the normalised BF16 output (one split), else this split's float32 O and (m, l)."""
+        n_heads = mOut.shape[1]
+        wg = tidx // 128
+        t = tidx % 128
+        g = (tidx % 32) // 4
+        c = tidx % 4
         dim0 = wg * 256 + 2 * c
         for hh in cutlass.range_constexpr(2):
             head = hb * HEADS_PER_CTA + (t // 32) * 16 + g + 8 * hh
@@ -244,6 +283,82 @@ class Sm90DecodeAttention:
                 if wg == 0:
                     if c == 0:
                         ptx.st_global_v2_f32(mML.iterator.toint() + prow * 8, mr, lt)
+
+    @cute.jit
+    def cluster_merge(self, o: cute.Tensor, m_run: cute.Tensor, l0: Float32, l1: Float32, sbase: Int32,
+                      mSink: cute.Tensor, mOut: cute.Tensor, b: Int32, hb: Int32, split: Int32, tidx: Int32):
+        """Merge the splits of a head block through distributed shared memory: no partials in HBM, no
+        combine kernel (the cluster is all the splits).
+
+        Each CTA puts its unnormalised float32 O [64 heads x 512] over its Q and KV buffers (free once the
+        loop is done; 16-byte granules XOR-swizzled by head, so the stores and the reads are free of bank
+        conflicts) and its (m, l) per head; after a cluster barrier CTA ``r`` merges heads
+        ``[r * 64 / C, (r + 1) * 64 / C)`` from all ``C`` CTAs' tiles, normalises (sink included) and
+        writes BF16 ``out``. A second cluster barrier keeps every CTA's shared memory alive until its
+        peers have read it."""
+        CL = self.cluster
+        n_heads = mOut.shape[1]
+        wg = tidx // 128
+        t = tidx % 128
+        g = (tidx % 32) // 4
+        c = tidx % 4
+        cute.arch.barrier()  # both warpgroups are past their last wgmma: the Q and KV buffers are free
+        for hh in cutlass.range_constexpr(2):
+            row = (t // 32) * 16 + g + 8 * hh
+            for j in cutlass.range_constexpr(32):
+                q = wg * 64 + 2 * j + c // 2
+                ptx.st_shared_v2_f32(sbase + row * O_ROW + ((q ^ (row % 8)) << 4) + (c % 2) * 8,
+                                     o[4 * j + 2 * hh], o[4 * j + 2 * hh + 1])
+            if wg == 0:
+                if c == 0:
+                    ptx.st_shared_v2_f32(sbase + self.off_ml + row * 8, m_run[hh], l0 if hh == 0 else l1)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+        rank = split
+        rows = HEADS_PER_CTA // CL
+        if tidx < rows:  # the merge weights of one head: 2^(m_s - M) / denominator, M = max(sink, m_s)
+            row = rank * rows + tidx
+            head = hb * HEADS_PER_CTA + row
+            ml = [ptx.ld_cluster_v2_f32(ptx.mapa(sbase + self.off_ml + row * 8, Int32(r))) for r in range(CL)]
+            sk = mSink[head] * Float32(LOG2E)
+            big = sk
+            for r in cutlass.range_constexpr(CL):
+                big = cute.arch.fmax(big, ml[r][0])
+            f = [ptx.ex2(ml[r][0] - big) for r in range(CL)]
+            den = ptx.ex2(sk - big)
+            for r in cutlass.range_constexpr(CL):
+                den = den + f[r] * ml[r][1]
+            inv = Float32(1.0) / den
+            for r in cutlass.range_constexpr(CL):
+                ptx.st_shared_f32(sbase + self.off_w + (tidx * CL + r) * 4, f[r] * inv)
+        cute.arch.barrier()
+
+        # every remote load is issued before the first store (a store would order the next granule's loads
+        # after it): 32 16-byte loads per thread whatever the cluster size
+        per = GRANULES // CL
+        n_k = per // THREADS
+        loads = []
+        for k in cutlass.range_constexpr(n_k):
+            gi = rank * per + k * THREADS + tidx
+            row = gi // (HEAD_DIM // 4)
+            q = gi % (HEAD_DIM // 4)
+            local = sbase + row * O_ROW + ((q ^ (row % 8)) << 4)
+            wrow = sbase + self.off_w + (row - rank * rows) * (CL * 4)
+            loads.append([(ptx.ld_shared_f32(wrow + r * 4), ptx.ld_cluster_v4_f32(ptx.mapa(local, Int32(r))))
+                          for r in range(CL)])
+        for k in cutlass.range_constexpr(n_k):
+            gi = rank * per + k * THREADS + tidx
+            row = gi // (HEAD_DIM // 4)
+            q = gi % (HEAD_DIM // 4)
+            acc = [Float32(0.0)] * 4
+            for w, v in loads[k]:
+                acc = [acc[i] + w * v[i] for i in range(4)]
+            hrow = Int64(b) * n_heads + Int64(hb * HEADS_PER_CTA + row)
+            ptx.st_global_v2_b32(mOut.iterator.toint() + (hrow * HEAD_DIM + Int64(q * 4)) * 2,
+                                 ptx.f32x2_to_bf16x2(acc[0], acc[1]), ptx.f32x2_to_bf16x2(acc[2], acc[3]))
+        cute.arch.cluster_arrive_relaxed()  # every remote value is consumed: only "done reading" is signalled
+        cute.arch.cluster_wait()
 
     def p_v(self, o: cute.Tensor, pa: cute.Tensor, kv: Int32, wg: Int32) -> list:
         """Issue O += P V over dims 256 wg ..+256 (V read MN-major from the KV buffer); returns the accumulators."""
@@ -468,8 +583,25 @@ def pick_splits(batch: int, heads: int, entries: int, sms: int = 132, chunk: int
     return -(-n_chunks // cps)
 
 
+def pick_cluster(batch: int, heads: int, entries: int, sms: int = 132, chunk: int = CHUNK,
+                 max_cluster: int = MAX_CLUSTER) -> int:
+    """Cluster size for :func:`pick_splits`' splits (1: no cluster, partials through HBM and the combine
+    kernel). A cluster is all the splits of a head block, rounded up to a power of two (the extra CTAs
+    hold no chunk and share the merge), at most ``max_cluster``; clusters of more than two CTAs only
+    while the grid has at most ``CLUSTER_GRID`` CTAs. Measured on an H200 (``docs/benchmarks.md``): 4-CTA
+    clusters in a 128-CTA grid ran about 1.8x slower (the GPCs did not hold all the clusters at once),
+    and a cluster merge of more than 4 splits was slower than the combine kernel."""
+    splits = pick_splits(batch, heads, entries, sms, chunk)
+    ctas = batch * (heads // HEADS_PER_CTA)
+    cl = 1 << (splits - 1).bit_length()
+    if splits == 1 or cl > max_cluster or cl * ctas > sms or (cl > 2 and cl * ctas > CLUSTER_GRID):
+        return 1
+    return cl
+
+
 def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, scale: float, *,
-                     out=None, splits: int | None = None, chunk: int = CHUNK, stages: int = 2):
+                     out=None, splits: int | None = None, chunk: int = CHUNK, stages: int = 2,
+                     cluster: int | None = None):
     """One decode step of DeepSeek-V4 attention on Hopper (sm_90a); returns BF16 ``out`` [B, H, 512].
 
     Args (contract and semantics: ``decode_attention_reference``; everything contiguous, on one GPU):
@@ -482,6 +614,11 @@ def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, sca
         sink: float32 [H]. scale: the logit scale (512**-0.5).
         out: optional bf16 [B, H, 512] to write into. splits: override the flash-decoding split count.
         chunk, stages: the split kernel's pipeline (:class:`Sm90DecodeAttention`).
+        cluster: the splits of a head block as one cluster of CTAs that merge through distributed
+            shared memory (a power of two, then ``splits == cluster``, or 1: each split's partial goes
+            through HBM to the combine kernel). Default: :func:`pick_cluster` (when ``splits`` is not
+            given and the pipeline's buffers hold the O tile), else 1. ``cluster`` alone sets the split
+            count to it.
 
     No host sync and no allocation once a shape has been seen (split workspaces are cached per
     shape), so the call is CUDA-graph capturable after one warm-up call. The output is not inverse-RoPE'd.
@@ -512,17 +649,24 @@ def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, sca
         out = torch.empty(b, h, d, dtype=torch.bfloat16, device=q.device)
     _expect(out.dtype == torch.bfloat16 and tuple(out.shape) == (b, h, d) and out.is_contiguous(),
             "out must be contiguous bf16 [B, H, 512]")
-    kernel = Sm90DecodeAttention(mode=mode, scale=scale, chunk=chunk, stages=stages)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         splits = pick_splits(b, h, w + k, sms, chunk)
+        if cluster is None and cluster_fits(chunk, stages):
+            cluster = pick_cluster(b, h, w + k, sms, chunk)
+        if cluster is not None and cluster > 1:
+            splits = cluster
+    cluster = 1 if cluster is None else cluster
     _expect(1 <= splits <= MAX_SPLITS, f"splits must be in [1, {MAX_SPLITS}], got {splits}")
-    wkey = (q.device, b, h, splits)
+    _expect(cluster == 1 or splits == cluster, f"a cluster holds all the splits: splits={splits}, cluster={cluster}")
+    kernel = Sm90DecodeAttention(mode=mode, scale=scale, chunk=chunk, stages=stages, cluster=cluster)
+    parts = splits // cluster          # partials through HBM to the combine kernel (1: none)
+    wkey = (q.device, b, h, parts)
     if wkey not in _WORKSPACE:
-        o_part = torch.empty((b, h, splits, d) if splits > 1 else (1, 1, 1, 4), dtype=torch.float32, device=q.device)
-        _WORKSPACE[wkey] = (o_part, torch.empty(b, h, splits, 2, dtype=torch.float32, device=q.device))
+        o_part = torch.empty((b, h, parts, d) if parts > 1 else (1, 1, 1, 4), dtype=torch.float32, device=q.device)
+        _WORKSPACE[wkey] = (o_part, torch.empty(b, h, parts, 2, dtype=torch.float32, device=q.device))
     o_part, ml = _WORKSPACE[wkey]
     _launch(kernel, [q, kv_window, window_len, kvc, idx, sink, out, o_part, ml])
-    if splits > 1:
-        _launch(Sm90DecodeAttentionCombine(groups=4 if splits >= 8 else 1), [o_part, ml, sink, out])
+    if parts > 1:
+        _launch(Sm90DecodeAttentionCombine(groups=4 if parts >= 8 else 1), [o_part, ml, sink, out])
     return out

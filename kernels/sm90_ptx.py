@@ -9,7 +9,7 @@ MoE (``sm90_moe_gemm``, ``sm90_moe_wgmma``):
 
 Decode attention (``sm90_decode_attention``): ``cp.async.cg`` 16-byte gathers with zero fill,
 ``wgmma`` with both operands in shared memory and with a transposed (MN-major) B, shared/global scalar
-and vector I/O, ``ex2.approx``.
+and vector I/O, distributed shared memory reads across a cluster (``mapa``), ``ex2.approx``.
 
 Shared memory is addressed by 32-bit ``.shared`` addresses, global memory by 64-bit generic
 addresses. Every helper is a pure function of 32-bit registers (``Int32``) or ``Float32`` values
@@ -314,6 +314,34 @@ def ld_shared_v4_f32(smem: Int32, *, loc=None, ip=None) -> tuple[Float32, Float3
     res = llvm.inline_asm(
         _struct(4, "f32"), [_i32(smem, loc, ip)],
         "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r", has_side_effects=True, loc=loc, ip=ip)
+    return _unpack(res, 4, T.f32(), Float32, loc, ip)
+
+
+def st_shared_v2_f32(smem: Int32, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [_i32(smem, loc, ip), _f32(a, loc, ip), _f32(b, loc, ip)],
+                    "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f", has_side_effects=True, loc=loc, ip=ip)
+
+
+def mapa(smem: Int32, rank: Int32, *, loc=None, ip=None) -> Int32:
+    """The ``.shared::cluster`` address of the same shared-memory offset in CTA ``rank`` of the cluster."""
+    return Int32(llvm.inline_asm(T.i32(), [_i32(smem, loc, ip), _i32(rank, loc, ip)],
+                                 "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r", has_side_effects=False,
+                                 loc=loc, ip=ip))
+
+
+def ld_cluster_v2_f32(addr: Int32, *, loc=None, ip=None) -> tuple[Float32, Float32]:
+    """8 bytes from a ``.shared::cluster`` address (:func:`mapa`), after a cluster barrier published them."""
+    res = llvm.inline_asm(
+        _struct(2, "f32"), [_i32(addr, loc, ip)],
+        "ld.shared::cluster.v2.f32 {$0, $1}, [$2];", "=f,=f,r", has_side_effects=True, loc=loc, ip=ip)
+    return _unpack(res, 2, T.f32(), Float32, loc, ip)
+
+
+def ld_cluster_v4_f32(addr: Int32, *, loc=None, ip=None) -> tuple[Float32, Float32, Float32, Float32]:
+    """16 bytes from a ``.shared::cluster`` address (:func:`mapa`), after a cluster barrier published them."""
+    res = llvm.inline_asm(
+        _struct(4, "f32"), [_i32(addr, loc, ip)],
+        "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r", has_side_effects=True, loc=loc, ip=ip)
     return _unpack(res, 4, T.f32(), Float32, loc, ip)
 
 

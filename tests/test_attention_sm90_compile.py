@@ -102,6 +102,24 @@ def test_pick_splits():
                     assert s == 1 or s * b * (h // 64) <= 132             # at most one wave when split
 
 
+def test_pick_cluster():
+    from nvfp4_megamoe.kernels.sm90_decode_attention import CHUNK, CLUSTER_GRID, pick_cluster, pick_splits
+    for max_cluster in (1, 2, 4, 16):
+        for b in (1, 2, 8, 20, 32, 128):
+            for h in (64, 128):
+                for entries in (1, 64, 160, 640, 1152, 8320):
+                    cl = pick_cluster(b, h, entries, 132, CHUNK, max_cluster)
+                    splits, ctas = pick_splits(b, h, entries, 132, CHUNK), b * (h // 64)
+                    assert cl in (1, 2, 4, 8, 16) and cl <= max_cluster
+                    if cl > 1:  # every split in the cluster, one wave, and big clusters only in small grids
+                        assert cl // 2 < splits <= cl and cl * ctas <= 132 and (cl <= 2 or cl * ctas <= CLUSTER_GRID)
+    # the measured cases: 3 splits at B = 1 / 8 (4-CTA clusters), 2 splits of V4-Pro at B = 32, no cluster
+    # for 10 splits or for 4-CTA clusters filling the grid
+    assert pick_cluster(1, 64, 160) == 4 and pick_cluster(8, 128, 160) == 4
+    assert pick_cluster(32, 128, 1152) == 2
+    assert pick_cluster(1, 64, 640) == 1 and pick_cluster(32, 64, 160) == 1 and pick_cluster(128, 64, 8320) == 1
+
+
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 
@@ -117,6 +135,10 @@ def test_decode_attention_compiles_sm90a(mode, chunk, stages):
             torch.zeros(b, n, 512, **bf), torch.zeros(b, k, dtype=torch.int32), torch.zeros(h),
             torch.zeros(b, h, 512, **bf), torch.zeros(b, h, s, 512), torch.zeros(b, h, s, 2)]
     assert compile_op(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, chunk=chunk, stages=stages), args) is not None
+    if chunk >= 32:  # the cluster merge (distributed shared memory), at the sizes pick_cluster uses
+        for cluster in (2, 4, 8, 16) if mode == "indexed" and chunk == 64 else (8,):
+            op = Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, chunk=chunk, stages=stages, cluster=cluster)
+            assert compile_op(op, args) is not None
     if mode == "indexed" and chunk == 64:
         for groups in (1, 4):
             assert compile_op(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]]) is not None
@@ -130,3 +152,7 @@ def test_bad_configuration_rejected():
         Sm90DecodeAttention(mode="dense", scale=1.0, chunk=48)
     with pytest.raises(ValueError, match="shared memory"):
         Sm90DecodeAttention(mode="dense", scale=1.0, chunk=64, stages=3)
+    with pytest.raises(ValueError, match="cluster must be"):
+        Sm90DecodeAttention(mode="dense", scale=1.0, cluster=3)
+    with pytest.raises(ValueError, match="O tile"):  # Q + a 2 x 16-entry ring are smaller than the O tile
+        Sm90DecodeAttention(mode="dense", scale=1.0, chunk=16, stages=2, cluster=4)

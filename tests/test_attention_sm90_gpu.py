@@ -2,7 +2,8 @@
 
 Random data drawn fresh per case, outputs poisoned with NaN before each run, windows partly filled,
 top-k lists shorter than k (-1 padding scattered, not only at the tail), repeated indices, heads 64 and
-128, window-only / CSA (indexed) / HCA (dense) forms, one split and several (combine kernel).
+128, window-only / CSA (indexed) / HCA (dense) forms, one split and several: merged by the combine kernel,
+or by a cluster of CTAs through distributed shared memory.
 """
 
 from __future__ import annotations
@@ -85,18 +86,45 @@ def test_decode_attention_matches_reference(b, h, n, k, mode, splits, tiling):
     assert err < 1e-2, f"relative error {err:.3e}"
 
 
+CLUSTER_CASES = [  # b, h, n, k, mode, cluster (= the splits of a head block)
+    (1, 64, 1024, 512, "indexed", 16),
+    (1, 64, 1024, 512, "indexed", 8),
+    (3, 64, 300, 100, "indexed", 2),
+    (2, 128, 8192, None, "dense", 4),
+    (2, 64, 40, None, "dense", 8),            # more splits than chunks: empty CTAs still merge
+    (8, 64, 0, None, "window", 4),
+    (5, 128, 2000, 1024, "indexed", 4),
+]
+
+
+@pytest.mark.parametrize("tiling", ["c64x2", "c32x4"])
+@pytest.mark.parametrize("b,h,n,k,mode,cluster", CLUSTER_CASES)
+def test_cluster_merge_matches_reference(b, h, n, k, mode, cluster, tiling):
+    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
+    q, kvw, wlen, kvc, idx, sink = make_case(b, h, n, k, mode, seed=b * 100 + cluster)
+    ref = decode_attention_reference(q, kvw, wlen, kvc, idx, sink, SCALE)
+    out = torch.full((b, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, cluster=cluster, **TILINGS[tiling])
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) outputs remain"
+    err = relerr(out, ref)
+    assert err < 1e-2, f"relative error {err:.3e}"
+
+
 def test_all_masked_gives_zero_and_sink_only():
     """No valid entry at all: the sink takes all the mass, the output is 0 (not NaN)."""
     from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
     q, kvw, wlen, kvc, idx, sink = make_case(2, 64, 256, 64, "indexed", seed=7)
     wlen.zero_()
     idx.fill_(-1)
-    for splits in (1, 3):
-        for tiling in TILINGS.values():
+    for splits, cluster in ((1, 1), (3, 1), (4, 4), (2, 2)):
+        for name, tiling in TILINGS.items():
+            if cluster > 1 and name == "c16x8":
+                continue
             out = torch.full((2, 64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-            decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, splits=splits, **tiling)
+            decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, splits=splits, cluster=cluster, **tiling)
             torch.cuda.synchronize()
-            assert bool((out == 0).all()), tiling
+            assert bool((out == 0).all()), (tiling, splits, cluster)
 
 
 def test_graph_capture_replays():
