@@ -14,8 +14,10 @@ the median of ``--reps`` replays is reported. ``floor`` = (q + KV entries read +
 copy bandwidth measured at start (read + write bytes of a 1 GiB device copy). Every configuration
 also checks ours against the torch baseline (relative error).
 
-The lightning indexer top-k (``kernels/sm90_attention_indexer.indexer_topk``, torch) is timed the same
-way at 64 index heads x 128 dims over ctx/4 keys; its floor is the key bytes over the copy bandwidth.
+The lightning indexer top-k (``kernels/sm90_attention_indexer.indexer_topk``: the fused score kernel, then
+the one-CTA sort kernel up to 4096 keys or ``torch.topk``; also the score kernel alone, and the torch
+composition of the scores with ``torch.topk``) is timed the same way at 64 index heads x 128 dims over ctx/4 keys; its floor is the key bytes
+over the copy bandwidth.
 
     python bench/attention_bench.py --out docs/attention_bench.json
     python bench/attention_bench.py --plot docs/attention_bench.json docs/attention_bench.png   # no GPU needed
@@ -130,27 +132,36 @@ def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
 
 
 def bench_indexer(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
-    from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_topk
+    """ours = ``indexer_topk`` (fused score kernel, then the one-CTA sort up to 4096 keys or ``torch.topk``),
+    ours_scores = the score kernel alone (int64 order keys out), torch = the torch composition of the scores
+    and keys + ``torch.topk``; the scores compared between the two."""
+    from nvfp4_megamoe.kernels.sm90_attention_indexer import (indexer_keys, indexer_scores_torch, indexer_topk,
+                                                              ordered_key, scores_of_key, topk_of_keys_torch)
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)
     for ctx in args.contexts:
         for b in args.batches:
             n = ctx // 4
-            if b * n * 64 * 4 > (16 << 30):        # the [B, 64, N] float32 intermediate past 16 GiB: skip
-                continue
             for top_k in (512, 1024):
                 q = torch.randn(b, 64, 128, device="cuda", generator=gen).bfloat16()
                 keys = torch.randn(b, n, 128, device="cuda", generator=gen).bfloat16()
                 w = torch.randn(b, 64, device="cuda", generator=gen)
                 nbytes = keys.numel() * 2
                 row = dict(batch=b, context=ctx, keys=n, top_k=top_k, bytes=nbytes, floor_us=nbytes / copy_bw * 1e6)
-                try:
-                    g = capture(lambda: indexer_topk(q, keys, w, top_k))
-                    row["torch_us"] = timer.time(g, max(3, args.reps // 2))
-                    row["frac_of_copy_bw"] = row["floor_us"] / row["torch_us"]
-                    del g
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = repr(e)[:300]
+                fns = {"ours": lambda: indexer_topk(q, keys, w, top_k),
+                       "ours_scores": lambda: indexer_keys(q, keys, w)}
+                if b * n * 64 * 4 <= (16 << 30):        # the torch [B, 64, N] float32 intermediate up to 16 GiB
+                    fns["torch"] = lambda: topk_of_keys_torch(ordered_key(indexer_scores_torch(q, keys, w)), top_k)
+                for name, fn in fns.items():
+                    _time_into(row, name, fn, timer, max(3, args.reps // 2))
+                if "ours_us" in row:
+                    row["frac_of_copy_bw"] = row["floor_us"] / row["ours_us"]
+                if "torch_us" in row and "ours_us" in row:
+                    row["speedup_vs_torch"] = row["torch_us"] / row["ours_us"]
+                    ref = indexer_scores_torch(q, keys, w).double()
+                    got = scores_of_key(indexer_keys(q, keys, w)).double()
+                    row["scores_relerr_vs_torch"] = float((got - ref).norm() / ref.norm())
+                    del ref
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 del q, keys, w
@@ -167,10 +178,13 @@ def table(res: dict) -> str:
                      f"{r['floor_us']:9.1f} {r.get('ours_us', float('nan')):9.1f} {r.get('torch_us', float('nan')):9.1f} "
                      f"{100 * r.get('frac_of_copy_bw', float('nan')):6.1f} {r.get('speedup_vs_torch', float('nan')):8.1f} "
                      f"{r.get('relerr_vs_torch', float('nan')):8.1e}")
-    lines.append(f"{'indexer':9} {'B':>4} {'ctx':>8} {'k':>5} {'floor us':>9} {'torch us':>9} {'%copy':>6}")
+    lines.append(f"{'indexer':9} {'B':>4} {'ctx':>8} {'k':>5} {'floor us':>9} {'ours us':>9} {'scores us':>9} "
+                 f"{'torch us':>9} {'%copy':>6} {'x torch':>8}")
+    nan = float("nan")
     for r in res.get("indexer", []):
         lines.append(f"{'':9} {r['batch']:4d} {r['context']:8d} {r['top_k']:5d} {r['floor_us']:9.1f} "
-                     f"{r.get('torch_us', float('nan')):9.1f} {100 * r.get('frac_of_copy_bw', float('nan')):6.1f}")
+                     f"{r.get('ours_us', nan):9.1f} {r.get('ours_scores_us', nan):9.1f} {r.get('torch_us', nan):9.1f} "
+                     f"{100 * r.get('frac_of_copy_bw', nan):6.1f} {r.get('speedup_vs_torch', nan):8.1f}")
     return "\n".join(lines)
 
 
@@ -210,6 +224,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     p.add_argument("--contexts", type=int, nargs="*", default=list(CONTEXTS))
     p.add_argument("--no-indexer", action="store_true")
+    p.add_argument("--no-attention", action="store_true", help="only the indexer")
     p.add_argument("--variants", type=json.loads, default={},
                    help='other configurations of ours as JSON {name: decode_attention keyword arguments}, e.g. '
                         '\'{"c32": {"chunk": 32, "stages": 4}}\'')
@@ -229,7 +244,7 @@ def main() -> None:
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_s=copy_bw,
                reps=args.reps)
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
-    res["attention"] = bench_attention(args, copy_bw, timer)
+    res["attention"] = [] if args.no_attention else bench_attention(args, copy_bw, timer)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     if not args.no_indexer:

@@ -345,6 +345,12 @@ def ld_cluster_v4_f32(addr: Int32, *, loc=None, ip=None) -> tuple[Float32, Float
     return _unpack(res, 4, T.f32(), Float32, loc, ip)
 
 
+def f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    """The IEEE bits of a float32, as an int32."""
+    return Int32(llvm.inline_asm(T.i32(), [_f32(x, loc, ip)], "mov.b32 $0, $1;", "=r,f", has_side_effects=False,
+                                 loc=loc, ip=ip))
+
+
 def st_global_b32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), _i32(v, loc, ip)], "st.global.b32 [$0], $1;",
                     "l,r", has_side_effects=True, loc=loc, ip=ip)

@@ -5,6 +5,9 @@ the PyTorch references everywhere else.
   rounded to BF16, weights decoded in registers, fp32 accumulation);
 * decode attention: :func:`~nvfp4_megamoe.kernels.sm90_decode_attention.decode_attention`
   (head_dim 512, heads a multiple of 64), BF16 operands;
+* decode indexer top-k of CSA layers: :func:`~nvfp4_megamoe.kernels.sm90_attention_indexer.indexer_topk`
+  (the fused score kernel where the index heads/dims tile, then the sort kernel up to 4,096 entries or
+  ``torch.topk``), BF16 query and keys;
 * dense NVFP4 linears (attention projections, shared experts, ``wo_a`` per group):
   :func:`~nvfp4_megamoe.kernels.sm90_moe.nvfp4_linear_sm90` (W4A16, float32 out) where N % 64 and
   K % 128 allow (``wo_a``: also 128-row groups, so each group's scales are a slice of the swizzled
@@ -52,7 +55,7 @@ class HopperBackend(ReferenceBackend):
         self.max_tokens = max_tokens
         self._moe_layers: dict[tuple, object] = {}
         self._linear_fits: dict[tuple, bool] = {}
-        self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0}
+        self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0}
         self.warmup_seconds: float | None = None
 
     # -- dense NVFP4 linears ------------------------------------------------------------------------
@@ -144,6 +147,17 @@ class HopperBackend(ReferenceBackend):
             layer(xb[s:e], local_ids[s:e], local_w[s:e], **args, out=out[s:e])
         self.kernel_calls["moe"] += 1
         return out
+
+    # -- decode indexer top-k -------------------------------------------------------------------------
+    def indexer_topk(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,
+                     n_valid: torch.Tensor) -> torch.Tensor:
+        from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_topk
+
+        if not q.is_cuda:
+            return super().indexer_topk(q, keys, weights, k, n_valid)
+        self.kernel_calls["indexer"] += 1
+        return indexer_topk(q.to(torch.bfloat16).contiguous(), keys.to(torch.bfloat16).contiguous(),
+                            weights.float(), k, n_valid)
 
     # -- decode attention -------------------------------------------------------------------------
     def decode_attention(self, q: torch.Tensor, kv_window: torch.Tensor, window_len: torch.Tensor,

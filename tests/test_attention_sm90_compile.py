@@ -82,6 +82,22 @@ def test_indexer_topk_matches_reference(n_valid):
         assert (got[i] < 0).sum() == k - len(sel)
 
 
+def test_ordered_key_round_trips_and_orders():
+    from nvfp4_megamoe.kernels.sm90_attention_indexer import MONO_NEG_INF, ordered_key, scores_of_key, topk_of_keys
+    gen = torch.Generator().manual_seed(3)
+    s = torch.randn(3, 500, generator=gen) * torch.logspace(-30, 30, 500)
+    s[:, :4] = torch.tensor([0.0, float("-inf"), float("inf"), -1e-40])       # zero, infinities, a subnormal
+    key = ordered_key(s)
+    assert torch.equal(scores_of_key(key).view(torch.int32), s.view(torch.int32))       # exact inverse
+    assert int((key[0, 1] >> 32)) == MONO_NEG_INF
+    order = torch.argsort(key, dim=-1, descending=True)
+    want = torch.sort(s, dim=-1, descending=True, stable=True).indices                  # ties: lower index
+    assert torch.equal(order, want)
+    s[1, 100:] = float("-inf")                                               # with s[1, 1]: 99 visible
+    idx = topk_of_keys(ordered_key(s), 120)
+    assert bool((idx[1, 99:] == -1).all()) and bool((idx[1, :99] >= 0).all()) and 1 not in idx[1].tolist()
+
+
 def test_indexer_ties_pick_lower_index():
     q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
     keys = torch.randn(1, 50, 128).bfloat16()
@@ -142,6 +158,23 @@ def test_decode_attention_compiles_sm90a(mode, chunk, stages):
     if mode == "indexed" and chunk == 64:
         for groups in (1, 4):
             assert compile_op(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]]) is not None
+
+
+@pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
+@pytest.mark.parametrize("heads,dim", [(64, 128), (8, 64)])
+def test_indexer_scores_compiles_sm90a(heads, dim):
+    from nvfp4_megamoe.kernels.cute_host import compile_op
+    from nvfp4_megamoe.kernels.sm90_attention_indexer import Sm90IndexerScores, kernel_fits
+    b, n = 2, 300
+    args = [torch.zeros(b, heads, dim, dtype=torch.bfloat16), torch.zeros(b, n, dim, dtype=torch.bfloat16),
+            torch.zeros(b, heads), torch.zeros(b, dtype=torch.int32), torch.zeros(b, n), torch.zeros(1, 4, dtype=torch.int32)]
+    assert compile_op(Sm90IndexerScores(heads=heads, dim=dim), args) is not None
+    assert not kernel_fits(12, 128) and not kernel_fits(64, 96) and not kernel_fits(256, 512)
+    from nvfp4_megamoe.kernels.sm90_attention_indexer import Sm90SortTopk
+    for k in (512, 1024):
+        assert compile_op(Sm90SortTopk(k=k), [torch.zeros(b, n, dtype=torch.int64), torch.zeros(b, k, dtype=torch.int32)])
+    with pytest.raises(ValueError, match="tiling"):
+        Sm90IndexerScores(heads=64, dim=96)
 
 
 def test_bad_configuration_rejected():

@@ -161,3 +161,50 @@ def test_indexer_topk_gpu(b, n, k):
         # same set up to near-ties at the cut: every pick scores at least the reference's k-th best
         kth = scores[i][want[i]].min()
         assert float(scores[i, sel].min()) >= float(kth) - 1e-4 * float(scores[i].abs().max())
+
+
+@pytest.mark.parametrize("b,h,d,n,short", [(1, 64, 128, 1024, False), (3, 64, 128, 5000, True),
+                                           (2, 8, 64, 77, True), (130, 64, 128, 300, False)])
+def test_indexer_scores_kernel_matches_float32_reference(b, h, d, n, short):
+    """The fused score kernel (keys streamed once, int64 order keys out) against the float32 reference,
+    -inf past n_valid."""
+    from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_keys, kernel_fits, scores_of_key
+    assert kernel_fits(h, d)
+    gen = torch.Generator(device="cuda").manual_seed(b * n + h)
+    q = torch.randn(b, h, d, device="cuda", generator=gen).bfloat16()
+    keys = torch.randn(b, n, d, device="cuda", generator=gen).bfloat16()
+    wts = torch.randn(b, h, device="cuda", generator=gen)
+    nv = torch.randint(1, n + 1, (b,), device="cuda", generator=gen) if short else None
+    key = indexer_keys(q, keys, wts, nv)
+    rev = (n - 1) - torch.arange(n, device="cuda")
+    assert torch.equal(key & 0xFFFFFFFF, rev.expand(b, n))                    # the reversed entry index
+    got = scores_of_key(key)
+    want = indexer_scores(q[:, None].float(), keys.float(), wts[:, None])[:, 0]             # float32 reference
+    visible = torch.ones(b, n, dtype=torch.bool, device="cuda") if nv is None else \
+        torch.arange(n, device="cuda")[None] < nv[:, None]
+    assert bool(torch.isneginf(got[~visible]).all()) and bool(torch.isfinite(got[visible]).all())
+    assert relerr(got[visible], want[visible]) < 1e-5
+
+
+def test_indexer_kernel_ties_pick_lower_index():
+    """All-zero queries: every score is +0.0 (no -0.0 from negative weights), so the top-k is the first k."""
+    from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_keys, indexer_topk, scores_of_key
+    q = torch.zeros(2, 64, 128, dtype=torch.bfloat16, device="cuda")
+    keys = torch.randn(2, 300, 128, device="cuda").bfloat16()
+    wts = -torch.rand(2, 64, device="cuda")
+    scores = scores_of_key(indexer_keys(q, keys, wts))
+    assert bool((scores.view(torch.int32) == 0).all())                       # +0.0 bit pattern
+    assert sorted(indexer_topk(q, keys, wts, 10)[1].tolist()) == list(range(10))
+
+
+@pytest.mark.parametrize("b,n,k", [(1, 1024, 512), (3, 4096, 1024), (2, 77, 512), (130, 640, 512), (1, 1, 8)])
+def test_sort_topk_kernel_equals_torch_topk(b, n, k):
+    """One-CTA bitonic top-k (up to 4096 entries) against torch.topk on the same keys: the same indices,
+    in the same order, -1 for -inf scores and past N; with many equal scores (ties by index)."""
+    from nvfp4_megamoe.kernels.sm90_attention_indexer import ordered_key, topk_of_keys, topk_of_keys_torch
+    gen = torch.Generator(device="cuda").manual_seed(b * n + k)
+    scores = torch.randn(b, n, device="cuda", generator=gen).round()         # few distinct values: ties
+    scores[torch.rand(b, n, device="cuda", generator=gen) < 0.3] = float("-inf")
+    key = ordered_key(scores)
+    out = topk_of_keys(key, k)
+    assert torch.equal(out, topk_of_keys_torch(key, k))

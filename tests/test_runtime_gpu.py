@@ -86,6 +86,7 @@ def test_logits_with_kernels_match_reference_path(converted, variant, dense):
     assert fast.backend.kernel_calls["moe"] > 0
     if dense == "nvfp4":  # attention projections and shared experts are NVFP4: the dense kernel ran
         assert fast.backend.kernel_calls["linear"] > 0
+    assert fast.backend.kernel_calls["indexer"] > 0  # CSA decode steps ran the GPU indexer top-k
 
 
 def _nvfp4_linear(n: int, k: int, seed: int) -> Nvfp4Linear:
