@@ -27,13 +27,15 @@ import torch
 from cutlass import Float32, Int32, Int64
 
 from . import sm90_ptx as ptx
-from .cute_host import launch as _launch
+from .cute_host import compile_op as _compile, launch as _launch
 
 KEYS_PER_CHUNK = 64                    # M of one wgmma: keys per pipeline step
 ATOM = 128                             # bytes of one swizzled row (64 BF16 dims)
 THREADS = 128                          # one warpgroup
 STAGES = 4
-SORT_ENTRIES = 4096                    # entries up to which one CTA sorts a request's keys (Sm90SortTopk)
+# compiled Sm90SortTopk sizes. Measured on an H200 (docs/benchmarks.md): sorting 1,024 keys as 2,048 took
+# ~10 us and as 4,096 ~22 us against ~40 us for torch.topk; 16,384 keys took ~150 us against ~95 us.
+SORT_SIZES = (2048, 4096)
 SORT_THREADS = 1024
 
 
@@ -124,16 +126,40 @@ def indexer_keys(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
     return out
 
 
+def sort_size(n: int, k: int) -> int | None:
+    """The :class:`Sm90SortTopk` size for ``n`` entries and top-``k`` (the smallest that holds both), or None."""
+    return next((p for p in SORT_SIZES if max(n, k) <= p), None)
+
+
 def topk_of_keys(key: torch.Tensor, k: int) -> torch.Tensor:
     """int64 :func:`ordered_key` [B, N] -> int32 [B, k] indices of the k best, best first, -1 where
-    fewer than k entries are visible (score -inf). Up to ``SORT_ENTRIES`` entries on sm_90a: one
-    launch of :class:`Sm90SortTopk`; else ``torch.topk``."""
+    fewer than k entries are visible (score -inf). Up to 4,096 entries on sm_90a: one launch of
+    :class:`Sm90SortTopk`; else ``torch.topk``."""
     b, n = key.shape
-    if key.is_cuda and 0 < n <= SORT_ENTRIES and k <= SORT_ENTRIES and torch.cuda.get_device_capability(key.device) == (9, 0):
+    size = sort_size(n, k)
+    if key.is_cuda and n > 0 and size and torch.cuda.get_device_capability(key.device) == (9, 0):
         out = torch.empty(b, k, dtype=torch.int32, device=key.device)
-        _launch(Sm90SortTopk(k=k), [key.contiguous(), out])
+        _launch(Sm90SortTopk(k=k, entries=size), [key.contiguous(), out])
         return out
     return topk_of_keys_torch(key, k)
+
+
+def warmup_indexer(heads: int, dim: int, k: int, device: torch.device | str) -> int:
+    """Compile the score kernel (where it tiles) and every sort size for top-``k``; returns how many kernels."""
+    dev = torch.device(device)
+    i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
+    n = 0
+    if kernel_fits(heads, dim):
+        bf = dict(dtype=torch.bfloat16, device=dev)
+        _compile(Sm90IndexerScores(heads=heads, dim=dim),
+                 [torch.empty(1, heads, dim, **bf), torch.empty(1, 1, dim, **bf), torch.empty(1, heads, device=dev),
+                  torch.empty(1, **i32), torch.empty(1, 1, **i64), torch.empty(1, 1, **i32)])
+        n += 1
+    for size in SORT_SIZES:
+        if k <= size:
+            _compile(Sm90SortTopk(k=k, entries=size), [torch.empty(1, 1, **i64), torch.empty(1, k, **i32)])
+            n += 1
+    return n
 
 
 def topk_of_keys_torch(key: torch.Tensor, k: int) -> torch.Tensor:
@@ -287,20 +313,23 @@ class Sm90IndexerScores:
 
 
 class Sm90SortTopk:
-    """The ``k`` best of at most ``SORT_ENTRIES`` int64 order keys per request, in one launch: one CTA per
-    request loads them into shared memory (padded with the smallest int64), sorts them descending with a
-    bitonic network (78 compare-exchange steps, a CTA barrier each) and writes the first ``k`` entry
+    """The ``k`` best of at most ``entries`` (a power of two, ``SORT_SIZES``) int64 order keys per request,
+    in one launch: one CTA per request loads them into shared memory (padded with the smallest int64),
+    sorts them descending with a bitonic network (log2(entries) (log2(entries) + 1) / 2 compare-exchange
+    steps, a CTA barrier each: 78 for 4,096) and writes the first ``k`` entry
     indices (``N - 1 -`` the key's low word), -1 for -inf scores and past ``N``. Keys are distinct (the
     low word is the entry), so the order, ties included, is ``torch.topk``'s on the same keys.
 
     Operands: ``key`` int64 [B, N], ``out`` int32 [B, k].
     """
 
-    def __init__(self, *, k: int):
-        self.k = k
+    def __init__(self, *, k: int, entries: int):
+        if entries not in SORT_SIZES or not 1 <= k <= entries:
+            raise ValueError(f"entries must be one of {SORT_SIZES} and 1 <= k <= entries, got entries={entries}, k={k}")
+        self.k, self.entries = k, entries
 
     def key(self) -> tuple:
-        return (self.k,)
+        return (self.k, self.entries)
 
     @cute.jit
     def __call__(self, mKey: cute.Tensor, mOut: cute.Tensor, stream):
@@ -312,18 +341,19 @@ class Sm90SortTopk:
         b, _, _ = cute.arch.block_idx()
         N = mKey.shape[1]
         smem = cutlass.memory.SmemAllocator()
-        sk = smem.allocate_tensor(cutlass.Int64, SORT_ENTRIES, byte_alignment=16)
-        for r in cutlass.range_constexpr(SORT_ENTRIES // SORT_THREADS):
+        P = self.entries
+        sk = smem.allocate_tensor(cutlass.Int64, P, byte_alignment=16)
+        for r in cutlass.range_constexpr(P // SORT_THREADS):
             n = tidx + SORT_THREADS * r
             v = Int64(-(1 << 63))
             if n < N:
                 v = mKey[b, n]
             sk[n] = v
         cute.arch.barrier()
-        log_n = SORT_ENTRIES.bit_length() - 1
+        log_n = P.bit_length() - 1
         for size_log in cutlass.range_constexpr(1, log_n + 1):
             for st_log in cutlass.range_constexpr(size_log - 1, -1, -1):
-                for r in cutlass.range_constexpr(SORT_ENTRIES // 2 // SORT_THREADS):
+                for r in cutlass.range_constexpr(P // 2 // SORT_THREADS):
                     p = tidx + SORT_THREADS * r
                     i = ((p >> st_log) << (st_log + 1)) + (p & ((1 << st_log) - 1))
                     j = i + (1 << st_log)

@@ -7,7 +7,7 @@ the PyTorch references everywhere else.
   (head_dim 512, heads a multiple of 64), BF16 operands;
 * decode indexer top-k of CSA layers: :func:`~nvfp4_megamoe.kernels.sm90_attention_indexer.indexer_topk`
   (the fused score kernel where the index heads/dims tile, then the sort kernel up to 4,096 entries or
-  ``torch.topk``), BF16 query and keys;
+  ``torch.topk``; every size compiled at the first call), BF16 query and keys;
 * dense NVFP4 linears (attention projections, shared experts, ``wo_a`` per group):
   :func:`~nvfp4_megamoe.kernels.sm90_moe.nvfp4_linear_sm90` (W4A16, float32 out) where N % 64 and
   K % 128 allow (``wo_a``: also 128-row groups, so each group's scales are a slice of the swizzled
@@ -55,6 +55,7 @@ class HopperBackend(ReferenceBackend):
         self.max_tokens = max_tokens
         self._moe_layers: dict[tuple, object] = {}
         self._linear_fits: dict[tuple, bool] = {}
+        self._indexer_ready: set[tuple] = set()
         self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0}
         self.warmup_seconds: float | None = None
 
@@ -151,10 +152,14 @@ class HopperBackend(ReferenceBackend):
     # -- decode indexer top-k -------------------------------------------------------------------------
     def indexer_topk(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,
                      n_valid: torch.Tensor) -> torch.Tensor:
-        from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_topk
+        from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_topk, warmup_indexer
 
         if not q.is_cuda:
             return super().indexer_topk(q, keys, weights, k, n_valid)
+        shape = (q.shape[1], q.shape[2], k, str(q.device))
+        if shape not in self._indexer_ready:  # every sort size now, not when the entries first cross one
+            warmup_indexer(q.shape[1], q.shape[2], k, q.device)
+            self._indexer_ready.add(shape)
         self.kernel_calls["indexer"] += 1
         return indexer_topk(q.to(torch.bfloat16).contiguous(), keys.to(torch.bfloat16).contiguous(),
                             weights.float(), k, n_valid)

@@ -170,9 +170,12 @@ def test_indexer_scores_compiles_sm90a(heads, dim):
             torch.zeros(b, heads), torch.zeros(b, dtype=torch.int32), torch.zeros(b, n), torch.zeros(1, 4, dtype=torch.int32)]
     assert compile_op(Sm90IndexerScores(heads=heads, dim=dim), args) is not None
     assert not kernel_fits(12, 128) and not kernel_fits(64, 96) and not kernel_fits(256, 512)
-    from nvfp4_megamoe.kernels.sm90_attention_indexer import Sm90SortTopk
-    for k in (512, 1024):
-        assert compile_op(Sm90SortTopk(k=k), [torch.zeros(b, n, dtype=torch.int64), torch.zeros(b, k, dtype=torch.int32)])
+    from nvfp4_megamoe.kernels.sm90_attention_indexer import SORT_SIZES, Sm90SortTopk, sort_size, warmup_indexer
+    if (heads, dim) == (64, 128):  # V4's index heads: the score kernel and every sort size for top-512
+        assert warmup_indexer(heads, dim, 512, "cpu") == 1 + len(SORT_SIZES)
+    assert [sort_size(n, 512) for n in (1, 2048, 2049, 4096, 4097)] == [2048, 2048, 4096, 4096, None]
+    with pytest.raises(ValueError, match="entries"):
+        Sm90SortTopk(k=4096, entries=2048)
     with pytest.raises(ValueError, match="tiling"):
         Sm90IndexerScores(heads=64, dim=96)
 

@@ -197,9 +197,10 @@ def test_indexer_kernel_ties_pick_lower_index():
     assert sorted(indexer_topk(q, keys, wts, 10)[1].tolist()) == list(range(10))
 
 
-@pytest.mark.parametrize("b,n,k", [(1, 1024, 512), (3, 4096, 1024), (2, 77, 512), (130, 640, 512), (1, 1, 8)])
+@pytest.mark.parametrize("b,n,k", [(1, 1024, 512), (3, 4096, 1024), (2, 77, 512), (130, 640, 512), (1, 1, 8),
+                                   (2, 2049, 512)])
 def test_sort_topk_kernel_equals_torch_topk(b, n, k):
-    """One-CTA bitonic top-k (up to 4096 entries) against torch.topk on the same keys: the same indices,
+    """One-CTA bitonic top-k (every sort size) against torch.topk on the same keys: the same indices,
     in the same order, -1 for -inf scores and past N; with many equal scores (ties by index)."""
     from nvfp4_megamoe.kernels.sm90_attention_indexer import ordered_key, topk_of_keys, topk_of_keys_torch
     gen = torch.Generator(device="cuda").manual_seed(b * n + k)
