@@ -8,6 +8,8 @@ the PyTorch references everywhere else.
 * decode indexer top-k of CSA layers: :func:`~nvfp4_megamoe.kernels.sm90_attention_indexer.indexer_topk`
   (the fused score kernel where the index heads/dims tile, then the sort kernel up to 4,096 entries or
   ``torch.topk``; every size compiled at the first call), BF16 query and keys;
+* mHC weights before each sublayer (``hc_pre``): :func:`~nvfp4_megamoe.kernels.sm90_mhc.hc_weights_sm90`,
+  one launch for the sigmoids, softmax and Sinkhorn rounds (155 torch calls per reference ``hc_pre``);
 * dense NVFP4 linears (attention projections, shared experts, ``wo_a`` per group):
   :func:`~nvfp4_megamoe.kernels.sm90_moe.nvfp4_linear_sm90` (W4A16, float32 out) where N % 64 and
   K % 128 allow (``wo_a``: also 128-row groups, so each group's scales are a slice of the swizzled
@@ -56,7 +58,7 @@ class HopperBackend(ReferenceBackend):
         self._moe_layers: dict[tuple, object] = {}
         self._linear_fits: dict[tuple, bool] = {}
         self._indexer_ready: set[tuple] = set()
-        self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0}
+        self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0, "hc_pre": 0}
         self.warmup_seconds: float | None = None
 
     # -- dense NVFP4 linears ------------------------------------------------------------------------
@@ -148,6 +150,19 @@ class HopperBackend(ReferenceBackend):
             layer(xb[s:e], local_ids[s:e], local_w[s:e], **args, out=out[s:e])
         self.kernel_calls["moe"] += 1
         return out
+
+    # -- mHC ---------------------------------------------------------------------------------------
+    def hc_pre(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+               iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from nvfp4_megamoe.kernels import mhc_reference
+        from nvfp4_megamoe.kernels.sm90_mhc import MAX_HC, hc_weights_sm90
+
+        if not (x.is_cuda and x.shape[-2] <= MAX_HC):
+            return super().hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+        pre, post, comb = hc_weights_sm90(mhc_reference.hc_mixes(x, fn, norm_eps), base, scale, hc=x.shape[-2],
+                                          iters=iters, hc_eps=hc_eps)
+        self.kernel_calls["hc_pre"] += 1
+        return mhc_reference.hc_collapse(x, pre), post, comb
 
     # -- decode indexer top-k -------------------------------------------------------------------------
     def indexer_topk(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,

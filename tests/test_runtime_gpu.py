@@ -87,6 +87,7 @@ def test_logits_with_kernels_match_reference_path(converted, variant, dense):
     if dense == "nvfp4":  # attention projections and shared experts are NVFP4: the dense kernel ran
         assert fast.backend.kernel_calls["linear"] > 0
     assert fast.backend.kernel_calls["indexer"] > 0  # CSA decode steps ran the GPU indexer top-k
+    assert fast.backend.kernel_calls["hc_pre"] > 0
 
 
 def _nvfp4_linear(n: int, k: int, seed: int) -> Nvfp4Linear:
