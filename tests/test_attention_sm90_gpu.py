@@ -72,18 +72,24 @@ TILINGS = {  # decode_attention pipeline options: the default ring and the small
 }
 
 
-@pytest.mark.parametrize("tiling", TILINGS)
-@pytest.mark.parametrize("b,h,n,k,mode,splits", CASES)
-def test_decode_attention_matches_reference(b, h, n, k, mode, splits, tiling):
+def check_against_reference(b: int, h: int, n: int, k: int | None, mode: str, seed: int, **options) -> None:
+    """``decode_attention(**options)`` into a NaN-poisoned output: every element written, relative error
+    to the float32 reference below 1e-2."""
     from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
-    q, kvw, wlen, kvc, idx, sink = make_case(b, h, n, k, mode, seed=b * 1000 + h + n)
+    q, kvw, wlen, kvc, idx, sink = make_case(b, h, n, k, mode, seed=seed)
     ref = decode_attention_reference(q, kvw, wlen, kvc, idx, sink, SCALE)
     out = torch.full((b, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, splits=splits, **TILINGS[tiling])
+    decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, **options)
     torch.cuda.synchronize()
     assert not out.isnan().any(), "unwritten (NaN-poisoned) outputs remain"
     err = relerr(out, ref)
     assert err < 1e-2, f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+@pytest.mark.parametrize("b,h,n,k,mode,splits", CASES)
+def test_decode_attention_matches_reference(b, h, n, k, mode, splits, tiling):
+    check_against_reference(b, h, n, k, mode, b * 1000 + h + n, splits=splits, **TILINGS[tiling])
 
 
 CLUSTER_CASES = [  # b, h, n, k, mode, cluster (= the splits of a head block)
@@ -100,15 +106,7 @@ CLUSTER_CASES = [  # b, h, n, k, mode, cluster (= the splits of a head block)
 @pytest.mark.parametrize("tiling", ["c64x2", "c32x4"])
 @pytest.mark.parametrize("b,h,n,k,mode,cluster", CLUSTER_CASES)
 def test_cluster_merge_matches_reference(b, h, n, k, mode, cluster, tiling):
-    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
-    q, kvw, wlen, kvc, idx, sink = make_case(b, h, n, k, mode, seed=b * 100 + cluster)
-    ref = decode_attention_reference(q, kvw, wlen, kvc, idx, sink, SCALE)
-    out = torch.full((b, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, cluster=cluster, **TILINGS[tiling])
-    torch.cuda.synchronize()
-    assert not out.isnan().any(), "unwritten (NaN-poisoned) outputs remain"
-    err = relerr(out, ref)
-    assert err < 1e-2, f"relative error {err:.3e}"
+    check_against_reference(b, h, n, k, mode, b * 100 + cluster, cluster=cluster, **TILINGS[tiling])
 
 
 def test_all_masked_gives_zero_and_sink_only():
