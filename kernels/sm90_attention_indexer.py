@@ -27,7 +27,7 @@ import torch
 from cutlass import Float32, Int32, Int64
 
 from . import sm90_ptx as ptx
-from .cute_host import compile_op as _compile, launch as _launch
+from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 
 KEYS_PER_CHUNK = 64                    # M of one wgmma: keys per pipeline step
 ATOM = 128                             # bytes of one swizzled row (64 BF16 dims)
@@ -85,8 +85,10 @@ def kernel_fits(heads: int, dim: int) -> bool:
             and _smem_bytes(heads, dim) <= SMEM_LIMIT)
 
 
-def _use_kernel(q: torch.Tensor) -> bool:
-    return q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0) and kernel_fits(q.shape[1], q.shape[2])
+def _use_kernel(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """The score kernel: BF16 operands on an sm_90 GPU, in a tiling it has (else the torch composition)."""
+    return (q.is_cuda and q.dtype == keys.dtype == torch.bfloat16 and kernel_fits(q.shape[1], q.shape[2])
+            and torch.cuda.get_device_capability(q.device) == (9, 0))
 
 
 def indexer_scores_torch(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
@@ -108,14 +110,17 @@ def indexer_keys(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
     """q bf16 [B, h, d], keys bf16 [B, N, d], weights f32 [B, h], n_valid int [B] (None: all N) ->
     int64 [B, N] :func:`ordered_key` of the scores (-inf beyond ``n_valid``): the sm_90a kernel, which
     writes the keys itself, where it applies, else the torch composition."""
-    if not _use_kernel(q):
-        return ordered_key(indexer_scores_torch(q, keys, weights, n_valid))
     b, h, d = q.shape
+    _expect(keys.dim() == 3 and keys.shape[0] == b and keys.shape[2] == d,
+            f"keys must be [B={b}, N, d={d}], got {tuple(keys.shape)}")
+    _expect(tuple(weights.shape) == (b, h), f"weights must be [B={b}, h={h}], got {tuple(weights.shape)}")
+    if not _use_kernel(q, keys):
+        return ordered_key(indexer_scores_torch(q, keys, weights, n_valid))
     n = keys.shape[1]
     nv = (torch.full((b,), n, dtype=torch.int32, device=q.device) if n_valid is None
           else n_valid.to(device=q.device, dtype=torch.int32).contiguous())
     out = torch.empty(b, n, dtype=torch.int64, device=q.device)
-    if n == 0:
+    if n == 0 or b == 0:
         return out
     chunks = -(-n // KEYS_PER_CHUNK)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -131,15 +136,21 @@ def sort_size(n: int, k: int) -> int | None:
     return next((p for p in SORT_SIZES if max(n, k) <= p), None)
 
 
+def uses_sort_kernel(key: torch.Tensor, k: int) -> bool:
+    """Whether :func:`topk_of_keys` runs :class:`Sm90SortTopk` (sm_90 GPU, 1..4,096 entries and k)."""
+    return (key.is_cuda and key.shape[0] > 0 and key.shape[1] > 0 and sort_size(key.shape[1], k) is not None
+            and torch.cuda.get_device_capability(key.device) == (9, 0))
+
+
 def topk_of_keys(key: torch.Tensor, k: int) -> torch.Tensor:
     """int64 :func:`ordered_key` [B, N] -> int32 [B, k] indices of the k best, best first, -1 where
     fewer than k entries are visible (score -inf). Up to 4,096 entries on sm_90a: one launch of
     :class:`Sm90SortTopk`; else ``torch.topk``."""
+    _expect(key.dtype == torch.int64 and key.dim() == 2, f"keys must be int64 [B, N], got {key.dtype} {tuple(key.shape)}")
     b, n = key.shape
-    size = sort_size(n, k)
-    if key.is_cuda and n > 0 and size and torch.cuda.get_device_capability(key.device) == (9, 0):
+    if uses_sort_kernel(key, k):
         out = torch.empty(b, k, dtype=torch.int32, device=key.device)
-        _launch(Sm90SortTopk(k=k, entries=size), [key.contiguous(), out])
+        _launch(Sm90SortTopk(k=k, entries=sort_size(n, k)), [key.contiguous(), out])
         return out
     return topk_of_keys_torch(key, k)
 

@@ -8,8 +8,8 @@ from L2).
 
 Work split (flash-decoding). A request's entries form one virtual list: window slots ``0..W-1``
 then ``indices[b, 0..K-1]`` (or ``0..N-1`` for HCA), cut into chunks of ``chunk`` entries. The grid is
-``(splits, H / 64, B)``; split ``s`` walks chunks ``[s*cps, (s+1)*cps)`` with ``cps =
-ceil(chunks / splits)``. With one split the CTA normalises (sink included) and writes BF16 ``out``;
+``(splits, H / 64, B)``; split ``s`` walks chunks ``[s*C//S, (s+1)*C//S)`` (C chunks, S splits: sizes
+differ by at most one). With one split the CTA normalises (sink included) and writes BF16 ``out``;
 otherwise it writes its unnormalised float32 ``O`` and ``(m, l)`` and a second kernel
 (:class:`Sm90DecodeAttentionCombine`) merges the splits and adds the sink. The combine is launched with
 programmatic dependent launch: it is resident and waiting (``griddepcontrol.wait``) while the split
@@ -76,7 +76,7 @@ CHUNK = 64                             # the default chunk
 LOG2E = 1.4426950408889634
 NEG_BIG = -1.0e30
 MODES = ("window", "indexed", "dense")
-CLUSTERS = (1, 2, 4, 8, 16)
+CLUSTERS = (1, 2, 4, 8, 16)            # 8 and 16: the explicit ``cluster`` option only (measured slower)
 MAX_CLUSTER = 4                        # the largest cluster pick_cluster picks by default (measured)
 CLUSTER_GRID = 64                      # CTAs up to which clusters of more than two CTAs are picked (measured)
 O_ROW = HEAD_DIM * 4                   # bytes of one head's float32 O row in the cluster exchange
@@ -580,7 +580,7 @@ def pick_splits(batch: int, heads: int, entries: int, sms: int = 132, chunk: int
     ctas = batch * (heads // HEADS_PER_CTA)
     splits = max(1, min(n_chunks, sms // ctas))
     cps = -(-n_chunks // splits)
-    return -(-n_chunks // cps)
+    return -(-n_chunks // cps)   # the fewest splits with that longest split: fewer partials to merge
 
 
 def pick_cluster(batch: int, heads: int, entries: int, sms: int = 132, chunk: int = CHUNK,

@@ -1,8 +1,8 @@
 """SM90 (sm_90a) kernel for the mHC mixing weights of each token (``mhc_reference.hc_weights``).
 
 Per token the weights are a few dozen numbers (``(2 + hc) * hc`` mixes in, ``hc`` pre, ``hc`` post and
-an ``hc x hc`` doubly-stochastic comb out), but the reference reaches them through about 130 small torch
-ops per call (sigmoids, a softmax, then ``iters - 1`` rounds of row and column sums and divisions), each
+an ``hc x hc`` doubly-stochastic comb out), but the reference reaches them through about 150 small torch
+ops per ``hc_pre`` (sigmoids, a softmax, then ``iters - 1`` rounds of row and column sums and divisions), each
 a launch on the GPU. Here one thread computes one token's weights entirely in registers, so the whole
 chain is one launch. Same formulas in float32; ``exp`` is ``ex2.approx`` of ``x * log2(e)`` (a few ulp
 from torch's).
@@ -119,6 +119,7 @@ def hc_weights_sm90(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
     post = torch.empty_like(pre)
     comb = torch.empty(n, hc * hc, dtype=torch.float32, device=mixes.device)
     if n:
-        _launch(Sm90HcWeights(hc=hc, iters=iters, hc_eps=hc_eps),
+        # the reference runs the first column normalisation whatever ``iters``: 0 rounds of Sinkhorn after it == 1
+        _launch(Sm90HcWeights(hc=hc, iters=max(iters, 1), hc_eps=hc_eps),
                 [flat, base.float().contiguous(), scale.float().contiguous(), pre, post, comb])
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)

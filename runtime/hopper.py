@@ -167,7 +167,7 @@ class HopperBackend(ReferenceBackend):
     # -- decode indexer top-k -------------------------------------------------------------------------
     def indexer_topk(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,
                      n_valid: torch.Tensor) -> torch.Tensor:
-        from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_topk, warmup_indexer
+        from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_topk, kernel_fits, warmup_indexer
 
         if not q.is_cuda:
             return super().indexer_topk(q, keys, weights, k, n_valid)
@@ -175,7 +175,8 @@ class HopperBackend(ReferenceBackend):
         if shape not in self._indexer_ready:  # every sort size now, not when the entries first cross one
             warmup_indexer(q.shape[1], q.shape[2], k, q.device)
             self._indexer_ready.add(shape)
-        self.kernel_calls["indexer"] += 1
+        if kernel_fits(q.shape[1], q.shape[2]):  # the score kernel runs (else the torch composition)
+            self.kernel_calls["indexer"] += 1
         return indexer_topk(q.to(torch.bfloat16).contiguous(), keys.to(torch.bfloat16).contiguous(),
                             weights.float(), k, n_valid)
 

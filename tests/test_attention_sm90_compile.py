@@ -151,7 +151,7 @@ def test_decode_attention_compiles_sm90a(mode, chunk, stages):
             torch.zeros(b, n, 512, **bf), torch.zeros(b, k, dtype=torch.int32), torch.zeros(h),
             torch.zeros(b, h, 512, **bf), torch.zeros(b, h, s, 512), torch.zeros(b, h, s, 2)]
     assert compile_op(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, chunk=chunk, stages=stages), args) is not None
-    if chunk >= 32:  # the cluster merge (distributed shared memory), at the sizes pick_cluster uses
+    if chunk >= 32:  # the cluster merge (distributed shared memory): pick_cluster's 2 and 4, the option's 8 and 16
         for cluster in (2, 4, 8, 16) if mode == "indexed" and chunk == 64 else (8,):
             op = Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, chunk=chunk, stages=stages, cluster=cluster)
             assert compile_op(op, args) is not None
@@ -167,7 +167,8 @@ def test_indexer_scores_compiles_sm90a(heads, dim):
     from nvfp4_megamoe.kernels.sm90_attention_indexer import Sm90IndexerScores, kernel_fits
     b, n = 2, 300
     args = [torch.zeros(b, heads, dim, dtype=torch.bfloat16), torch.zeros(b, n, dim, dtype=torch.bfloat16),
-            torch.zeros(b, heads), torch.zeros(b, dtype=torch.int32), torch.zeros(b, n), torch.zeros(1, 4, dtype=torch.int32)]
+            torch.zeros(b, heads), torch.zeros(b, dtype=torch.int32), torch.zeros(b, n, dtype=torch.int64),
+            torch.zeros(1, 4, dtype=torch.int32)]
     assert compile_op(Sm90IndexerScores(heads=heads, dim=dim), args) is not None
     assert not kernel_fits(12, 128) and not kernel_fits(64, 96) and not kernel_fits(256, 512)
     from nvfp4_megamoe.kernels.sm90_attention_indexer import SORT_SIZES, Sm90SortTopk, sort_size, warmup_indexer

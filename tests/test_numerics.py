@@ -136,7 +136,7 @@ def test_swizzled_row_slice_is_the_swizzle_of_the_rows(blocks, tail, cols, seed)
     for start in range(0, rows, 128):
         for stop in {min(start + 128, rows), rows}:
             got = swizzled_row_slice(flat, rows, cols, start, stop)
-            assert got.data_ptr() >= flat.data_ptr()  # a view, no copy
+            assert got.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # a view, no copy
             assert torch.equal(got, swizzle_block_scales(s[start:stop]))
     with pytest.raises(ValueError, match="128-row"):
         swizzled_row_slice(flat, rows, cols, 64, rows)
