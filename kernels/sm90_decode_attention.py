@@ -61,6 +61,7 @@ import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import Float32, Int32, Int64, const_expr
 
 from . import sm90_ptx as ptx
+from .sm90_ptx import LOG2E
 from .cute_host import expect as _expect, launch as _launch
 
 HEAD_DIM = 512
@@ -73,7 +74,6 @@ Q_BLOCK = HEADS_PER_CTA * ATOM         # 8 KB
 SMEM_LIMIT = 227 * 1024
 CHUNKS = (16, 32, 64)
 CHUNK = 64                             # the default chunk
-LOG2E = 1.4426950408889634
 NEG_BIG = -1.0e30
 MODES = ("window", "indexed", "dense")
 CLUSTERS = (1, 2, 4, 8, 16)            # 8 and 16: the explicit ``cluster`` option only (measured slower)

@@ -15,9 +15,9 @@ import torch
 from cutlass import Float32
 
 from . import sm90_ptx as ptx
+from .sm90_ptx import LOG2E
 from .cute_host import expect as _expect, launch as _launch
 
-LOG2E = 1.4426950408889634
 THREADS = 128
 MAX_HC = 8                             # streams per token the kernel unrolls (V4: 4)
 

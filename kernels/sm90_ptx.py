@@ -382,6 +382,9 @@ def ld_global_v2_f32(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float3
     return _unpack(res, 2, T.f32(), Float32, loc, ip)
 
 
+LOG2E = 1.4426950408889634   # exp(x) = ex2(x * LOG2E): softmax and sigmoids run in log2 units
+
+
 def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
     """``ex2.approx.ftz.f32`` (2**-inf = 0)."""
     return Float32(llvm.inline_asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
