@@ -132,11 +132,13 @@ def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
 
 
 def bench_indexer(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
-    """ours = ``indexer_topk`` (fused score kernel, then the one-CTA sort up to 4096 keys or ``torch.topk``),
-    ours_scores = the score kernel alone (int64 order keys out), torch = the torch composition of the scores
-    and keys + ``torch.topk``; the scores compared between the two."""
+    """ours = ``indexer_topk`` (fused score kernel, then the sort kernel: one CTA up to 4096 keys, segment
+    passes beyond), ours_scores = the score kernel alone (int64 order keys out), ours_torch_topk = the score
+    kernel + ``torch.topk`` on its keys, torch = the torch composition of the scores and keys +
+    ``torch.topk``; the scores compared between the two, ours' indices with ``torch.topk``'s on the same keys."""
     from nvfp4_megamoe.kernels.sm90_attention_indexer import (indexer_keys, indexer_scores_torch, indexer_topk,
-                                                              ordered_key, scores_of_key, topk_of_keys_torch)
+                                                              ordered_key, scores_of_key, topk_of_keys,
+                                                              topk_of_keys_torch)
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)
     for ctx in args.contexts:
@@ -149,13 +151,18 @@ def bench_indexer(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
                 nbytes = keys.numel() * 2
                 row = dict(batch=b, context=ctx, keys=n, top_k=top_k, bytes=nbytes, floor_us=nbytes / copy_bw * 1e6)
                 fns = {"ours": lambda: indexer_topk(q, keys, w, top_k),
-                       "ours_scores": lambda: indexer_keys(q, keys, w)}
+                       "ours_scores": lambda: indexer_keys(q, keys, w),
+                       "ours_torch_topk": lambda: topk_of_keys_torch(indexer_keys(q, keys, w), top_k)}
                 if b * n * 64 * 4 <= (16 << 30):        # the torch [B, 64, N] float32 intermediate up to 16 GiB
                     fns["torch"] = lambda: topk_of_keys_torch(ordered_key(indexer_scores_torch(q, keys, w)), top_k)
                 for name, fn in fns.items():
                     _time_into(row, name, fn, timer, max(3, args.reps // 2))
                 if "ours_us" in row:
                     row["frac_of_copy_bw"] = row["floor_us"] / row["ours_us"]
+                    key = indexer_keys(q, keys, w)
+                    row["ours_equals_torch_topk"] = bool(torch.equal(topk_of_keys(key, top_k),
+                                                                     topk_of_keys_torch(key, top_k)))
+                    del key
                 if "torch_us" in row and "ours_us" in row:
                     row["speedup_vs_torch"] = row["torch_us"] / row["ours_us"]
                     ref = indexer_scores_torch(q, keys, w).double()

@@ -5,9 +5,14 @@
 then the ``k`` best entries as int32 indices, **-1 padding** where fewer than ``k`` are visible (the
 operand ``decode_attention`` takes).
 
-Order: every score becomes an int64 key, its order-preserving bits above the reversed entry index
+Order: every score becomes an int64 key, its order-preserving bits above the complemented entry index
 (:func:`ordered_key`, inverse :func:`scores_of_key`), so one ``topk`` on the keys picks the best and,
 among equal scores, the **lower index** (the reference's rule) whatever ``topk``'s own tie order.
+
+Top-k, on sm_90a: :class:`Sm90SortTopk` sorts up to 4,096 keys per CTA. A longer list is cut into
+4,096-key segments whose k best keys (one CTA each) form a list ``4096 / k`` times shorter, until one
+CTA sorts the rest: the k best of a list are among the k best of its segments, and keys are distinct,
+so the result is ``torch.topk``'s on the same keys.
 
 Scores, on sm_90a: :class:`Sm90IndexerScores`, one pass over the keys. Each CTA (one warpgroup)
 computes ``S^T = K Q^T`` for 64 keys at a time with ``wgmma`` (keys are M, the index heads N, the head
@@ -36,6 +41,10 @@ STAGES = 4
 # compiled Sm90SortTopk sizes. Measured on an H200 (docs/benchmarks.md): sorting 1,024 keys as 2,048 took
 # ~10 us and as 4,096 ~22 us against ~40 us for torch.topk; 16,384 keys took ~150 us against ~95 us.
 SORT_SIZES = (2048, 4096)
+# keys (all requests) up to which segment passes beat torch.topk on longer lists. Measured on an H200
+# (docs/benchmarks.md): 16K keys x 1-32 requests and 262K x 1 1.2-1.9x faster, 2M keys in all even
+# (16K x 128) or 5 % slower (262K x 8), 8M-33M 1.3-1.5x slower.
+SEGMENT_PASS_MAX_KEYS = 1 << 20
 SORT_THREADS = 1024
 
 
@@ -57,11 +66,15 @@ def _mono(bits: torch.Tensor) -> torch.Tensor:
 MONO_NEG_INF = -0x800000 ^ 0x7FFFFFFF     # _mono of -inf's bits (0xFF800000): the key of a hidden entry
 
 
+LOW_WORD = 0xFFFFFFFF
+
+
 def ordered_key(scores: torch.Tensor) -> torch.Tensor:
     """float32 scores [..., N] -> int64 keys in the scores' order, ties broken towards the lower index:
-    the score's ordered bits above the reversed entry index (inverse: :func:`scores_of_key`)."""
+    the score's ordered bits above the complemented entry index ``0xFFFFFFFF - n`` (independent of N, so
+    keys of different lists compare as they are; inverse: :func:`scores_of_key`)."""
     n = scores.shape[-1]
-    rev = (n - 1) - torch.arange(n, device=scores.device, dtype=torch.int64)
+    rev = LOW_WORD - torch.arange(n, device=scores.device, dtype=torch.int64)
     return (_mono(scores.contiguous().view(torch.int32).long()) << 32) | rev
 
 
@@ -136,23 +149,42 @@ def sort_size(n: int, k: int) -> int | None:
     return next((p for p in SORT_SIZES if max(n, k) <= p), None)
 
 
+def sort_levels(n: int, k: int) -> list[int]:
+    """List lengths the segment passes of :func:`topk_of_keys` reduce ``n`` keys through before the final
+    sort (empty up to 4,096 keys): each pass keeps ``k`` of every 4,096."""
+    p = SORT_SIZES[-1]
+    levels = []
+    while n > p:
+        n = -(-n // p) * k
+        levels.append(n)
+    return levels
+
+
 def uses_sort_kernel(key: torch.Tensor, k: int) -> bool:
-    """Whether :func:`topk_of_keys` runs :class:`Sm90SortTopk` (sm_90 GPU, 1..4,096 entries and k)."""
-    return (key.is_cuda and key.shape[0] > 0 and key.shape[1] > 0 and sort_size(key.shape[1], k) is not None
-            and torch.cuda.get_device_capability(key.device) == (9, 0))
+    """Whether :func:`topk_of_keys` runs :class:`Sm90SortTopk` (sm_90 GPU): up to 4,096 entries, or with
+    segment passes up to ``SEGMENT_PASS_MAX_KEYS`` keys in all and k <= 2,048 (each pass must shorten the
+    list)."""
+    b, n = key.shape
+    fits = sort_size(n, k) is not None or (k <= SORT_SIZES[-1] // 2 and b * n <= SEGMENT_PASS_MAX_KEYS)
+    return key.is_cuda and b > 0 and n > 0 and fits and torch.cuda.get_device_capability(key.device) == (9, 0)
 
 
 def topk_of_keys(key: torch.Tensor, k: int) -> torch.Tensor:
     """int64 :func:`ordered_key` [B, N] -> int32 [B, k] indices of the k best, best first, -1 where
-    fewer than k entries are visible (score -inf). Up to 4,096 entries on sm_90a: one launch of
-    :class:`Sm90SortTopk`; else ``torch.topk``."""
+    fewer than k entries are visible (score -inf). On sm_90a: :class:`Sm90SortTopk`, a segment pass per
+    :func:`sort_levels` then one sort; elsewhere ``torch.topk``."""
     _expect(key.dtype == torch.int64 and key.dim() == 2, f"keys must be int64 [B, N], got {key.dtype} {tuple(key.shape)}")
-    b, n = key.shape
-    if uses_sort_kernel(key, k):
-        out = torch.empty(b, k, dtype=torch.int32, device=key.device)
-        _launch(Sm90SortTopk(k=k, entries=sort_size(n, k)), [key.contiguous(), out])
-        return out
-    return topk_of_keys_torch(key, k)
+    if not uses_sort_kernel(key, k):
+        return topk_of_keys_torch(key, k)
+    key = key.contiguous()
+    b = key.shape[0]
+    for n in sort_levels(key.shape[1], k):
+        shorter = torch.empty(b, n, dtype=torch.int64, device=key.device)
+        _launch(Sm90SortTopk(k=k, entries=SORT_SIZES[-1], keys_out=True), [key, shorter])
+        key = shorter
+    out = torch.empty(b, k, dtype=torch.int32, device=key.device)
+    _launch(Sm90SortTopk(k=k, entries=sort_size(key.shape[1], k)), [key, out])
+    return out
 
 
 def warmup_indexer(heads: int, dim: int, k: int, device: torch.device | str) -> int:
@@ -170,6 +202,10 @@ def warmup_indexer(heads: int, dim: int, k: int, device: torch.device | str) -> 
         if k <= size:
             _compile(Sm90SortTopk(k=k, entries=size), [torch.empty(1, 1, **i64), torch.empty(1, k, **i32)])
             n += 1
+    if k <= SORT_SIZES[-1] // 2:
+        _compile(Sm90SortTopk(k=k, entries=SORT_SIZES[-1], keys_out=True),
+                 [torch.empty(1, 1, **i64), torch.empty(1, k, **i64)])
+        n += 1
     return n
 
 
@@ -178,7 +214,7 @@ def topk_of_keys_torch(key: torch.Tensor, k: int) -> torch.Tensor:
     b, n = key.shape
     kk = min(k, n)
     top = torch.topk(key, kk, dim=-1)
-    idx = torch.where((top.values >> 32) == MONO_NEG_INF, -1, top.indices).to(torch.int32)
+    idx = torch.where((top.values >> 32) <= MONO_NEG_INF, -1, top.indices).to(torch.int32)
     if kk < k:
         idx = torch.cat((idx, torch.full((b, k - kk), -1, dtype=torch.int32, device=key.device)), dim=1)
     return idx
@@ -291,7 +327,7 @@ class Sm90IndexerScores:
                             bits = bits ^ Int32(0x7FFFFFFF)
                         if key >= nv:
                             bits = Int32(MONO_NEG_INF)
-                        ptx.st_global_v2_b32(mOut.iterator.toint() + (Int64(b) * N + Int64(key)) * 8, N - 1 - key, bits)
+                        ptx.st_global_v2_b32(mOut.iterator.toint() + (Int64(b) * N + Int64(key)) * 8, Int32(-1) - key, bits)
         cute.arch.cp_async_wait_group(0)
 
     def key_dots(self, kb: Int32, qb: Int32) -> list:
@@ -324,67 +360,133 @@ class Sm90IndexerScores:
 
 
 class Sm90SortTopk:
-    """The ``k`` best of at most ``entries`` (a power of two, ``SORT_SIZES``) int64 order keys per request,
-    in one launch: one CTA per request loads them into shared memory (padded with the smallest int64),
-    sorts them descending with a bitonic network (log2(entries) (log2(entries) + 1) / 2 compare-exchange
-    steps, a CTA barrier each: 78 for 4,096) and writes the first ``k`` entry
-    indices (``N - 1 -`` the key's low word), -1 for -inf scores and past ``N``. Keys are distinct (the
-    low word is the entry), so the order, ties included, is ``torch.topk``'s on the same keys.
+    """The ``k`` best of each ``entries``-key segment (``entries`` a power of two, ``SORT_SIZES``) of int64
+    order keys: one CTA per (segment, request) loads them into shared memory (padded with the smallest
+    int64), sorts them descending with a bitonic network (log2(entries) (log2(entries) + 1) / 2
+    compare-exchange steps, a CTA barrier each: 78 for 4,096) and writes its first ``k``:
 
-    Operands: ``key`` int64 [B, N], ``out`` int32 [B, k].
+    * ``keys_out=False`` (one segment per request, N <= ``entries``): the entry indices
+      (``0xFFFFFFFF -`` the key's low word), -1 for -inf scores and padding;
+    * ``keys_out=True``: the keys themselves, segment ``s`` to ``out[b, s k .. s k + k)`` (padding included
+      where a segment is short), a shorter list with the same k best (module docstring).
+
+    Keys are distinct (the low word is the entry), so the order, ties included, is ``torch.topk``'s.
+
+    Operands: ``key`` int64 [B, N], ``out`` int32 [B, k] (indices) or int64 [B, ceil(N / entries) k] (keys).
     """
 
-    def __init__(self, *, k: int, entries: int):
+    def __init__(self, *, k: int, entries: int, keys_out: bool = False):
         if entries not in SORT_SIZES or not 1 <= k <= entries:
             raise ValueError(f"entries must be one of {SORT_SIZES} and 1 <= k <= entries, got entries={entries}, k={k}")
-        self.k, self.entries = k, entries
+        self.k, self.entries, self.keys_out = k, entries, keys_out
 
     def key(self) -> tuple:
-        return (self.k, self.entries)
+        return (self.k, self.entries, self.keys_out)
 
     @cute.jit
     def __call__(self, mKey: cute.Tensor, mOut: cute.Tensor, stream):
-        self.kernel(mKey, mOut).launch(grid=[mKey.shape[0], 1, 1], block=[SORT_THREADS, 1, 1], stream=stream)
+        segments = (mKey.shape[1] + self.entries - 1) // self.entries
+        self.kernel(mKey, mOut).launch(grid=[segments, mKey.shape[0], 1], block=[SORT_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mKey: cute.Tensor, mOut: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        b, _, _ = cute.arch.block_idx()
+        seg, b, _ = cute.arch.block_idx()
+        P, KPT = self.entries, self.entries // SORT_THREADS
         N = mKey.shape[1]
+        first = seg * P + tidx * KPT
         smem = cutlass.memory.SmemAllocator()
-        P = self.entries
         sk = smem.allocate_tensor(cutlass.Int64, P, byte_alignment=16)
-        for r in cutlass.range_constexpr(P // SORT_THREADS):
-            n = tidx + SORT_THREADS * r
+        reg = cute.make_rmem_tensor((KPT,), Int64)     # positions KPT * tidx + e
+        for e in cutlass.range_constexpr(KPT):
             v = Int64(-(1 << 63))
-            if n < N:
-                v = mKey[b, n]
-            sk[n] = v
-        cute.arch.barrier()
+            if first + e < N:
+                v = mKey[b, first + e]
+            reg[e] = v
+        in_smem = False
         log_n = P.bit_length() - 1
         for size_log in cutlass.range_constexpr(1, log_n + 1):
             for st_log in cutlass.range_constexpr(size_log - 1, -1, -1):
-                for r in cutlass.range_constexpr(P // 2 // SORT_THREADS):
-                    p = tidx + SORT_THREADS * r
-                    i = ((p >> st_log) << (st_log + 1)) + (p & ((1 << st_log) - 1))
-                    j = i + (1 << st_log)
-                    a = sk[i]
-                    c = sk[j]
-                    if (i & (1 << size_log)) == 0:   # this run sorts descending
-                        if a < c:
-                            sk[i] = c
-                            sk[j] = a
+                stride = 1 << st_log
+                if cutlass.const_expr(stride >= KPT * 32):   # partner in another warp: through shared memory
+                    if cutlass.const_expr(not in_smem):
+                        for e in cutlass.range_constexpr(KPT):
+                            sk[tidx * KPT + e] = reg[e]
+                        in_smem = True
+                    cute.arch.barrier()
+                    self.exchange_smem(sk, tidx, size_log, st_log)
+                else:
+                    if cutlass.const_expr(in_smem):   # back to registers: each thread reads only its own positions
+                        cute.arch.barrier()
+                        for e in cutlass.range_constexpr(KPT):
+                            reg[e] = sk[tidx * KPT + e]
+                        in_smem = False
+                    if cutlass.const_expr(stride >= KPT):
+                        self.exchange_lanes(reg, tidx, size_log, st_log, stride // KPT)
                     else:
-                        if a > c:
-                            sk[i] = c
-                            sk[j] = a
-                cute.arch.barrier()
-        for r in cutlass.range_constexpr((self.k + SORT_THREADS - 1) // SORT_THREADS):
-            o = tidx + SORT_THREADS * r
+                        self.exchange_thread(reg, tidx, size_log, st_log)
+        for e in cutlass.range_constexpr(KPT):   # sorted: position o is the (o + 1)-th best
+            o = tidx * KPT + e
             if o < self.k:
-                v = sk[o]
-                idx = Int32(-1)
-                if o < N:
-                    if (v >> 32) != Int64(MONO_NEG_INF):
-                        idx = (N - 1) - Int32(v & Int64(0xFFFFFFFF))
-                mOut[b, o] = idx
+                v = reg[e]
+                if cutlass.const_expr(self.keys_out):
+                    mOut[b, seg * self.k + o] = v
+                else:
+                    idx = Int32(-1)
+                    if (v >> 32) > Int64(MONO_NEG_INF):      # a visible score (not -inf, not padding)
+                        idx = Int32(Int64(LOW_WORD) - (v & Int64(LOW_WORD)))
+                    mOut[b, o] = idx
+
+    # Bitonic step (size_log, st_log): positions i and i + 2**st_log (i's bit st_log clear) are ordered
+    # descending where i's bit size_log is clear, ascending where it is set (P is one descending run).
+
+    @cute.jit
+    def exchange_smem(self, sk: cute.Tensor, tidx: Int32, size_log: cutlass.Constexpr, st_log: cutlass.Constexpr):
+        for r in cutlass.range_constexpr(self.entries // 2 // SORT_THREADS):
+            p = tidx + SORT_THREADS * r
+            i = ((p >> st_log) << (st_log + 1)) + (p & ((1 << st_log) - 1))
+            j = i + (1 << st_log)
+            a = sk[i]
+            c = sk[j]
+            if (i & (1 << size_log)) == 0:
+                if a < c:
+                    sk[i] = c
+                    sk[j] = a
+            else:
+                if a > c:
+                    sk[i] = c
+                    sk[j] = a
+
+    @cute.jit
+    def exchange_lanes(self, reg: cute.Tensor, tidx: Int32, size_log: cutlass.Constexpr, st_log: cutlass.Constexpr,
+                       lane_xor: cutlass.Constexpr):
+        KPT = self.entries // SORT_THREADS
+        for e in cutlass.range_constexpr(KPT):
+            pos = tidx * KPT + e
+            mine = reg[e]
+            other = cute.arch.shuffle_sync_bfly(mine, lane_xor)
+            lower = (pos & (1 << st_log)) == 0
+            descending = (pos & (1 << size_log)) == 0
+            if lower == descending:              # keep the larger
+                if other > mine:
+                    reg[e] = other
+            else:
+                if other < mine:
+                    reg[e] = other
+
+    @cute.jit
+    def exchange_thread(self, reg: cute.Tensor, tidx: Int32, size_log: cutlass.Constexpr, st_log: cutlass.Constexpr):
+        KPT = self.entries // SORT_THREADS
+        for e in cutlass.range_constexpr(KPT):
+            if cutlass.const_expr(((e >> st_log) & 1) == 0):
+                f = e + (1 << st_log)
+                a = reg[e]
+                c = reg[f]
+                if ((tidx * KPT + e) & (1 << size_log)) == 0:
+                    if a < c:
+                        reg[e] = c
+                        reg[f] = a
+                else:
+                    if a > c:
+                        reg[e] = c
+                        reg[f] = a

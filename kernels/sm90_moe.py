@@ -4,8 +4,8 @@ Flow of one layer (all on the current CUDA stream, no host sync, no allocation p
 workspaces are sized once for ``max_tokens``, so the call is CUDA-graph capturable):
 
 1. ``Sm90MoeRouting``: pairs (token, slot) sorted by expert -> ``token_of``, ``weight_of``, tiles
-   (skipped for one token: its k pairs are k distinct experts and each pair is a tile of its own,
-   ``direct_top_k`` in ``sm90_moe_gemm``);
+   (skipped up to ``DIRECT_MAX_TOKENS`` tokens: each routed pair is a tile of its own, ``direct_top_k`` in
+   ``sm90_moe_gemm``; one token's k pairs are k distinct experts, two tokens' mostly are);
 2. ``Sm90Nvfp4GroupedGemm(mode="swiglu")`` over ``w13``: ``h`` [pairs, I] BF16 in sorted order;
    (its CTAs also zero ``out``, so no memset launch);
 3. ``Sm90Nvfp4GroupedGemm(mode="scatter")`` over ``w2``: ``out[t] += w * (h @ W2.T)``.
@@ -33,6 +33,10 @@ from .swizzle import swizzled_nbytes
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)
 WGMMA_MIN_MEAN = 8.0  # mean routed pairs per expert from which the WGMMA (prefill) kernels run
+# calls of up to this many tokens skip the routing kernel (one tile per routed pair). Measured on an H200
+# (docs/benchmarks.md): T = 2 3-5 % faster for V4-Flash and 1 % for V4-Pro; from T = 4 the experts repeated
+# across tokens cost more than the routing launch (V4-Pro T = 4 +2 %, T = 16 +18 %).
+DIRECT_MAX_TOKENS = 2
 
 
 def _smallest_tile(need: float, choices: tuple[int, ...]) -> int:
@@ -109,7 +113,8 @@ class Sm90NvFp4MoE:
         routed pairs themselves and the routing kernel is not launched)."""
         tuning = {**({"row_tiles": 2, "depth": 2} if row_tiles == 2 else {}), **getattr(self, "tuning", {})}
         l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
-        tuning.pop("wgmma", None), tuning.pop("wgmma_min_mean", None), tuning.pop("direct", None)
+        for key in ("wgmma", "wgmma_min_mean", "direct", "direct_max_tokens"):
+            tuning.pop(key, None)
         if direct:
             tuning["direct_top_k"] = self.k
         wg_extra = {**wgmma_shape(tile_tokens), **tuning.pop("wg", {})}
@@ -126,7 +131,8 @@ class Sm90NvFp4MoE:
 
     def config(self, tokens: int) -> tuple[int, bool, int, bool]:
         """(tile_tokens, wgmma, row_tiles, direct) of a call with ``tokens`` tokens: the arguments of
-        :meth:`kernels`. ``direct`` (no routing kernel) for one token unless ``tuning={"direct": False}``."""
+        :meth:`kernels`. ``direct`` (no routing kernel) up to ``DIRECT_MAX_TOKENS`` tokens (``tuning`` key
+        ``"direct_max_tokens"``), never with ``tuning={"direct": False}``."""
         tuning = getattr(self, "tuning", {})
         wg = tuning.get("wgmma")
         if wg is None:
@@ -135,7 +141,8 @@ class Sm90NvFp4MoE:
         rt = 1
         if not wg and self.h % 128 == 0 and (2 * self.i) % 128 == 0:
             rt = pick_row_tiles(tokens, self.k, self.e, 2 * self.i, self.sms)
-        return bn, wg, rt, tokens == 1 and not wg and tuning.get("direct", True)
+        direct_max = tuning.get("direct_max_tokens", DIRECT_MAX_TOKENS) if tuning.get("direct", True) else 0
+        return bn, wg, rt, tokens <= direct_max and not wg
 
     def warmup(self, ids_dtype: torch.dtype = torch.int32) -> int:
         """Compile every kernel configuration a call with 1 <= T <= ``max_tokens`` can pick (routing ids of

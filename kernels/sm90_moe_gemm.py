@@ -73,7 +73,8 @@ class Sm90Nvfp4GroupedGemm:
             routed pair ``p`` alone, ``tiles`` is ``topk_ids`` viewed [P, 1] (int32 or int64), the
             weights ``topk_weights`` [P] in pair order, token ``p // k`` (``token_of`` and
             ``num_tiles`` unused). For one token, whose k pairs go to k distinct experts, this reads
-            each expert once, like the sorted tiles, and saves the routing launch.
+            each expert once, like the sorted tiles, and saves the routing launch; an expert repeated
+            across tokens is read once per pair (the repeats mostly from L2).
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,

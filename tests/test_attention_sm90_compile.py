@@ -171,10 +171,16 @@ def test_indexer_scores_compiles_sm90a(heads, dim):
             torch.zeros(1, 4, dtype=torch.int32)]
     assert compile_op(Sm90IndexerScores(heads=heads, dim=dim), args) is not None
     assert not kernel_fits(12, 128) and not kernel_fits(64, 96) and not kernel_fits(256, 512)
-    from nvfp4_megamoe.kernels.sm90_attention_indexer import SORT_SIZES, Sm90SortTopk, sort_size, warmup_indexer
-    if (heads, dim) == (64, 128):  # V4's index heads: the score kernel and every sort size for top-512
-        assert warmup_indexer(heads, dim, 512, "cpu") == 1 + len(SORT_SIZES)
+    from nvfp4_megamoe.kernels.sm90_attention_indexer import (SORT_SIZES, Sm90SortTopk, sort_levels, sort_size,
+                                                              warmup_indexer)
+    if (heads, dim) == (64, 128):  # V4's index heads: the score kernel, every sort size and the segment pass
+        assert warmup_indexer(heads, dim, 512, "cpu") == 2 + len(SORT_SIZES)
+        assert warmup_indexer(heads, dim, 4096, "cpu") == 2                     # no segment pass for k > 2048
     assert [sort_size(n, 512) for n in (1, 2048, 2049, 4096, 4097)] == [2048, 2048, 4096, 4096, None]
+    # each segment pass keeps k of every 4,096 keys until one sort holds the rest
+    assert sort_levels(4096, 512) == [] and sort_levels(4097, 512) == [1024]
+    assert sort_levels(16384, 512) == [2048] and sort_levels(262144, 1024) == [65536, 16384, 4096]
+    assert sort_levels(5000, 2048) == [4096]
     with pytest.raises(ValueError, match="entries"):
         Sm90SortTopk(k=4096, entries=2048)
     with pytest.raises(ValueError, match="tiling"):

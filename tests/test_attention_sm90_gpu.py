@@ -174,8 +174,8 @@ def test_indexer_scores_kernel_matches_float32_reference(b, h, d, n, short):
     wts = torch.randn(b, h, device="cuda", generator=gen)
     nv = torch.randint(1, n + 1, (b,), device="cuda", generator=gen) if short else None
     key = indexer_keys(q, keys, wts, nv)
-    rev = (n - 1) - torch.arange(n, device="cuda")
-    assert torch.equal(key & 0xFFFFFFFF, rev.expand(b, n))                    # the reversed entry index
+    rev = 0xFFFFFFFF - torch.arange(n, device="cuda")
+    assert torch.equal(key & 0xFFFFFFFF, rev.expand(b, n))                    # the complemented entry index
     got = scores_of_key(key)
     want = indexer_scores(q[:, None].float(), keys.float(), wts[:, None])[:, 0]             # float32 reference
     visible = torch.ones(b, n, dtype=torch.bool, device="cuda") if nv is None else \
@@ -196,14 +196,23 @@ def test_indexer_kernel_ties_pick_lower_index():
 
 
 @pytest.mark.parametrize("b,n,k", [(1, 1024, 512), (3, 4096, 1024), (2, 77, 512), (130, 640, 512), (1, 1, 8),
-                                   (2, 2049, 512)])
+                                   (2, 2049, 512), (1, 4097, 512), (2, 16384, 512), (3, 70001, 1024),
+                                   (1, 262144, 512), (2, 5000, 2048), (1, 9000, 3000), (5, 262144, 512)])
 def test_sort_topk_kernel_equals_torch_topk(b, n, k):
-    """One-CTA bitonic top-k (every sort size) against torch.topk on the same keys: the same indices,
-    in the same order, -1 for -inf scores and past N; with many equal scores (ties by index)."""
-    from nvfp4_megamoe.kernels.sm90_attention_indexer import ordered_key, topk_of_keys, topk_of_keys_torch
+    """Bitonic top-k (every sort size, and 1 to 3 segment passes for longer lists) against torch.topk on
+    the same keys: the same indices, in the same order, -1 for -inf scores and past N; with many equal
+    scores (ties by index)."""
+    from nvfp4_megamoe.kernels.sm90_attention_indexer import (SEGMENT_PASS_MAX_KEYS, ordered_key, topk_of_keys,
+                                                              topk_of_keys_torch, uses_sort_kernel)
     gen = torch.Generator(device="cuda").manual_seed(b * n + k)
     scores = torch.randn(b, n, device="cuda", generator=gen).round()         # few distinct values: ties
     scores[torch.rand(b, n, device="cuda", generator=gen) < 0.3] = float("-inf")
+    if n == 4097:
+        scores[:, 100:] = float("-inf")                                      # fewer visible than k, in two segments
     key = ordered_key(scores)
+    assert uses_sort_kernel(key, k) == (n <= 4096 or (k <= 2048 and b * n <= SEGMENT_PASS_MAX_KEYS))
     out = topk_of_keys(key, k)
-    assert torch.equal(out, topk_of_keys_torch(key, k))
+    want = topk_of_keys_torch(key, k)
+    assert torch.equal(out, want)
+    if n == 4097:
+        assert bool((out[:, 100:] == -1).all())

@@ -117,8 +117,9 @@ def test_warmup_compiles_every_configuration_a_call_can_pick():
     layer = Sm90NvFp4MoE(hidden=4096, intermediate=2048, experts=256, top_k=6, swiglu_limit=10.0,
                          max_tokens=400, device="cpu")
     picked = {layer.config(t) for t in range(1, 401)}
-    # T = 1: one row tile, no routing kernel; then two; from 342 tokens (8 pairs per expert) the WGMMA kernels
-    assert layer.config(1) == (8, False, 1, True) and (8, False, 2, False) in picked
+    # T = 1: one row tile, then two; no routing kernel up to T = 2; from 342 tokens (8 pairs per expert) the WGMMA kernels
+    assert layer.config(1) == (8, False, 1, True) and layer.config(2) == (8, False, 2, True)
+    assert layer.config(3)[3] is False and (8, False, 2, False) in picked
     assert any(wg for _, wg, _, _ in picked)
     assert layer.warmup() == len(picked)
     for bn, wg, rt, direct in picked:

@@ -19,11 +19,11 @@ SHAPES = {  # H, I, E, top-k
     "pro": (7168, 3072, 384, 6),
 }
 CASES = [
-    ("small", 1, "uniform"), ("small", 3, "skewed"), ("small", 17, "uniform"), ("small", 130, "skewed"),
+    ("small", 1, "uniform"), ("small", 2, "skewed"), ("small", 3, "skewed"), ("small", 17, "uniform"), ("small", 130, "skewed"),
     ("small", 1001, "uniform"),
     ("flash", 1, "uniform"), ("flash", 5, "uniform"), ("flash", 64, "skewed"), ("flash", 333, "uniform"),
     ("flash", 8192, "skewed"),
-    ("pro", 1, "uniform"), ("pro", 7, "skewed"), ("pro", 256, "uniform"), ("pro", 4095, "uniform"),
+    ("pro", 1, "uniform"), ("pro", 2, "skewed"), ("pro", 7, "skewed"), ("pro", 256, "uniform"), ("pro", 4095, "uniform"),
 ]
 _WEIGHTS: dict[str, dict] = {}
 _LAYERS: dict[str, object] = {}
@@ -90,6 +90,10 @@ TUNED = [
     ("small", 130, "skewed", {"row_tiles": 2, "pdl": True, "pdl_prefetch": True}),
     ("flash", 1, "uniform", {"direct": False}),    # one token through the routing kernel (default: direct)
     ("pro", 1, "skewed", {"direct": False}),
+    # several tokens as one tile per routed pair (no routing kernel), experts repeated across tokens
+    ("small", 3, "skewed", {"direct_max_tokens": 4}),
+    ("flash", 4, "skewed", {"direct_max_tokens": 8}),
+    ("pro", 7, "uniform", {"direct_max_tokens": 8}),
 ]
 
 
