@@ -38,11 +38,12 @@ KEYS_PER_CHUNK = 64                    # M of one wgmma: keys per pipeline step
 ATOM = 128                             # bytes of one swizzled row (64 BF16 dims)
 THREADS = 128                          # one warpgroup
 STAGES = 4
-# compiled Sm90SortTopk sizes. Measured on an H200 (docs/benchmarks.md): sorting 1,024 keys as 2,048 took
-# ~10 us and as 4,096 ~22 us against ~40 us for torch.topk; 16,384 keys took ~150 us against ~95 us.
+# compiled Sm90SortTopk sizes. Measured on an H200 (docs/benchmarks.md, the earlier shared-memory network):
+# 1,024 keys as 2,048 took ~10 us and as 4,096 ~22 us against ~40 us for torch.topk; one CTA on 16,384
+# keys took ~150 us against ~95 us, so longer lists go through segment passes of 4,096.
 SORT_SIZES = (2048, 4096)
 # keys (all requests) up to which segment passes beat torch.topk on longer lists. Measured on an H200
-# (docs/benchmarks.md): 16K keys x 1-32 requests and 262K x 1 1.2-1.9x faster, 2M keys in all even
+# (docs/benchmarks.md): 16K keys x 1-32 requests and 262K x 1 1.2-2.0x faster, 2M keys in all even
 # (16K x 128) or 5 % slower (262K x 8), 8M-33M 1.3-1.5x slower.
 SEGMENT_PASS_MAX_KEYS = 1 << 20
 SORT_THREADS = 1024
