@@ -42,6 +42,8 @@ class ReferenceBackend:
     """PyTorch references from ``kernels/`` for every op (the default backend)."""
 
     name = "reference"
+    #: dtype the decode state keeps its K=V vectors in (SWA ring, compressed entries, indexer keys)
+    state_dtype = torch.float32
 
     # -- linears --------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:

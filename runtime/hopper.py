@@ -52,6 +52,9 @@ class HopperBackend(ReferenceBackend):
     """Reference backend with the sm_90a kernels plugged in (see the module docstring)."""
 
     name = "sm90"
+    # the dtype the decode kernels read: a step converts nothing (a float32 cache was converted whole,
+    # every step and layer, where CSA attention reads only its top-k entries)
+    state_dtype = torch.bfloat16
 
     def __init__(self, max_tokens: int = MAX_MOE_TOKENS):
         self.max_tokens = max_tokens

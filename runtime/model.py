@@ -55,16 +55,16 @@ class Model:
     # -- state --------------------------------------------------------------------------------------
     def new_state(self, batch: int) -> DecodeState:
         """An empty KV cache for ``batch`` sequences (all at position 0)."""
-        cfg, dev = self.config, self.device
+        cfg, dev, dt = self.config, self.device, self.backend.state_dtype
         state = DecodeState(batch=batch)
         for i in self.layer_indices:
             ratio = cfg.compress_ratios[i]
-            st = LayerState(torch.zeros((batch, cfg.sliding_window, cfg.head_dim), device=dev))
+            st = LayerState(torch.zeros((batch, cfg.sliding_window, cfg.head_dim), dtype=dt, device=dev))
             if ratio:
                 width = 2 * cfg.head_dim if ratio == 4 else cfg.head_dim
-                st.compressor = CompressorState.empty(batch, width, cfg.head_dim, dev)
+                st.compressor = CompressorState.empty(batch, width, cfg.head_dim, dev, dt)
             if ratio == 4:
-                st.indexer = CompressorState.empty(batch, 2 * cfg.index_head_dim, cfg.index_head_dim, dev)
+                st.indexer = CompressorState.empty(batch, 2 * cfg.index_head_dim, cfg.index_head_dim, dev, dt)
             state.layers[i] = st
         return state
 
@@ -137,12 +137,12 @@ class Model:
         # Sliding window: the ring holds positions [pos0 - W, pos0); query p sees keys (p - W, p].
         window, pos0 = cfg.sliding_window, int(positions[0])
         past_pos = torch.arange(max(0, pos0 - window + 1), pos0, device=h.device)
-        keys = torch.cat((st.window[:, past_pos % window], kv), dim=1)
+        keys = torch.cat((st.window[:, past_pos % window].to(kv.dtype), kv), dim=1)
         dist = positions[:, None] - torch.cat((past_pos, positions))[None, :]
         bias = torch.zeros(dist.shape, device=h.device).masked_fill((dist < 0) | (dist >= window), _NEG_INF)
         bias = bias.expand(b, -1, -1)
         keep = min(t, window)
-        st.window[:, positions[-keep:] % window] = kv[:, -keep:]
+        st.window[:, positions[-keep:] % window] = kv[:, -keep:].to(st.window.dtype)
 
         ratio = a.compress_ratio
         if ratio:
@@ -155,9 +155,9 @@ class Model:
                 index_keys = self._compress(ix.compressor, h, st.indexer, ratio, freq)
                 iq = be.linear(qr, ix.wq_b).view(b, t, cfg.index_n_heads, cfg.index_head_dim)
                 iq = be.apply_rope(iq, cos[:, None], sin[:, None])
-                scores = be.indexer_scores(iq, index_keys, be.linear(h, ix.weights_proj))
+                scores = be.indexer_scores(iq, index_keys.to(iq.dtype), be.linear(h, ix.weights_proj))
                 visible = be.select_topk(scores, visible, cfg.index_topk)
-            keys = torch.cat((keys, entries), dim=1)
+            keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
             entry_bias = torch.zeros(visible.shape, device=h.device).masked_fill(~visible, _NEG_INF)
             bias = torch.cat((bias, entry_bias), dim=-1)
         return be.sink_attention(q, keys, bias, a.sink, cfg.head_dim ** -0.5)   # [B, T, H, D]
@@ -200,7 +200,7 @@ class Model:
             first = cs.entries.shape[1]
             cos, sin = be.rope_tables(torch.arange(first, first + n, device=h.device) * ratio, freq)
             entries = be.apply_rope(be.rms_norm(pooled, cw.norm, self.config.rms_norm_eps), cos, sin)
-            cs.entries = torch.cat((cs.entries, entries), dim=1)
+            cs.entries = torch.cat((cs.entries, entries.to(cs.entries.dtype)), dim=1)
         return cs.entries
 
     def _moe(self, lw: LayerWeights, h, input_ids):

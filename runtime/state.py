@@ -6,6 +6,8 @@
   half of the last closed window (CSA overlap, ``prev``), and every compressed entry emitted so
   far (``entries``, normalised and rotated; entry ``w`` covers tokens ``[w*ratio, (w+1)*ratio)``).
 
+The ring and the entries are held in the backend's ``state_dtype`` (float32 for the references,
+BF16 for the GPU kernels, which read BF16); pending projections and ``prev`` stay float32.
 All sequences of a batch share one position (no padding).
 """
 
@@ -24,9 +26,10 @@ class CompressorState:
     prev: tuple[torch.Tensor, torch.Tensor] | None = None  # CSA: Ca (kv, gate+ape) [B, ratio, d]
 
     @classmethod
-    def empty(cls, batch: int, width: int, dim: int, device) -> "CompressorState":
+    def empty(cls, batch: int, width: int, dim: int, device, dtype: torch.dtype = torch.float32) -> "CompressorState":
+        """No pending tokens (float32: they are pooled) and no entries (``dtype``: the backend's state dtype)."""
         z = torch.zeros((batch, 0, width), dtype=torch.float32, device=device)
-        return cls(z, z.clone(), torch.zeros((batch, 0, dim), dtype=torch.float32, device=device))
+        return cls(z, z.clone(), torch.zeros((batch, 0, dim), dtype=dtype, device=device))
 
 
 @dataclass

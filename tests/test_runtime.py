@@ -160,6 +160,35 @@ def test_decode_matches_prefill(checkpoints, variant):
     assert rel(steps, full[:, 122:132]) < 1e-5
 
 
+class Bf16StateBackend(ReferenceBackend):
+    """The reference ops over a BF16 decode state, as the GPU backend keeps it."""
+
+    state_dtype = torch.bfloat16
+
+
+def test_bf16_state_keeps_the_cache_in_bf16_and_tracks_the_float32_state(checkpoints):
+    """Prefill then decode with the ring, compressed entries and indexer keys held in BF16: every one is
+    BF16 (nothing converted back and stored), and the logits stay within BF16 rounding of the float32 state's."""
+    _, out = checkpoints("tiny", "flash")
+    f32, bf16 = load_model(out), load_model(out, backend=Bf16StateBackend())
+    ids = ids_for(f32, 5, tokens=TOKENS, batch=2)
+    sf, sb = f32.new_state(2), bf16.new_state(2)
+    pre = (f32(ids[:, :130], sf), bf16(ids[:, :130], sb))
+    steps = [(f32.step(ids[:, i], sf), bf16.step(ids[:, i], sb)) for i in range(130, 140)]
+    kinds = set()
+    for st in sb.layers.values():
+        assert st.window.dtype == torch.bfloat16
+        for cs in (st.compressor, st.indexer):
+            if cs is not None:
+                assert cs.entries.dtype == torch.bfloat16 and cs.entries.shape[1] > 0
+                assert cs.pending_kv.dtype == torch.float32
+                kinds.add("indexer" if cs is st.indexer else "compressor")
+    assert kinds == {"indexer", "compressor"}
+    err = max([rel(*pre)] + [rel(a, b) for a, b in steps])
+    print(f"bf16 state vs float32 state: prefill {rel(*pre):.3e}, steps {[round(rel(a, b), 4) for a, b in steps]}")
+    assert 0 < err < 2e-2, err
+
+
 @pytest.mark.parametrize("variant", ["flash", "pro"])
 def test_chunked_prefill_matches_prefill(checkpoints, variant):
     """Uneven chunks split compressor windows (CSA overlap, HCA) and the SWA ring across calls."""

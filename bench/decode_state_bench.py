@@ -1,0 +1,77 @@
+"""What the decode state's dtype costs one attention layer's decode step on the GPU backend (H200).
+
+``HopperBackend`` ops of one decode step (CSA: indexer top-k + decode attention; HCA: decode attention)
+on a float32 state (the reference dtype: the backend converts the ring, every compressed entry and
+every indexer key to BF16 each step) and on a BF16 state (``HopperBackend.state_dtype``: nothing to
+convert). V4-Flash shapes: 64 heads x 512, SWA ring 128, CSA ratio 4 with top-512 and 64 index heads x
+128, HCA ratio 128. CUDA graphs, cold L2 (``gpu_timing.ColdTimer``).
+
+    python bench/decode_state_bench.py --out decode_state_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from gpu_timing import ColdTimer, capture
+
+HEADS, DIM, WINDOW, TOPK, INDEX_HEADS, INDEX_DIM = 64, 512, 128, 512, 64, 128
+CASES = [("CSA", 65536, 1), ("CSA", 65536, 8), ("CSA", 65536, 32), ("CSA", 1 << 20, 1), ("CSA", 1 << 20, 8),
+         ("HCA", 1 << 20, 1), ("HCA", 1 << 20, 8), ("HCA", 1 << 20, 32)]
+
+
+def step_fn(be, kind: str, ctx: int, b: int, dtype: torch.dtype, gen: torch.Generator):
+    """One layer's decode attention ops on a state of ``dtype``; returns (fn, state bytes)."""
+    dev = "cuda"
+    n = ctx // 4 if kind == "CSA" else ctx // 128
+    q = torch.randn(b, HEADS, DIM, device=dev, generator=gen)
+    window = torch.randn(b, WINDOW, DIM, device=dev, generator=gen).to(dtype)
+    entries = torch.randn(b, n, DIM, device=dev, generator=gen).to(dtype)
+    wlen = torch.full((b,), WINDOW, dtype=torch.int32, device=dev)
+    sink = torch.randn(HEADS, device=dev, generator=gen)
+    state_bytes = window.nbytes + entries.nbytes
+    if kind == "HCA":
+        return (lambda: be.decode_attention(q, window, wlen, entries, None, sink, DIM ** -0.5)), state_bytes
+    iq = torch.randn(b, INDEX_HEADS, INDEX_DIM, device=dev, generator=gen)
+    keys = torch.randn(b, n, INDEX_DIM, device=dev, generator=gen).to(dtype)
+    w = torch.randn(b, INDEX_HEADS, device=dev, generator=gen)
+    nv = torch.full((b,), n, dtype=torch.int32, device=dev)
+
+    def fn():
+        idx = be.indexer_topk(iq, keys, w, TOPK, nv)
+        return be.decode_attention(q, window, wlen, entries, idx, sink, DIM ** -0.5)
+    return fn, state_bytes + keys.nbytes
+
+
+def main() -> None:
+    from nvfp4_megamoe.runtime.hopper import HopperBackend
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--out", default="decode_state_bench.json")
+    args = ap.parse_args()
+    be, timer, rows = HopperBackend(), ColdTimer(), []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for kind, ctx, b in CASES:
+        row = dict(kind=kind, context=ctx, batch=b)
+        for dtype in (torch.float32, torch.bfloat16):
+            fn, nbytes = step_fn(be, kind, ctx, b, dtype, gen)
+            name = str(dtype).removeprefix("torch.")
+            g = capture(fn)
+            row[f"{name}_us"] = timer.time(g, args.reps)
+            row[f"{name}_state_MiB"] = nbytes / 2**20
+            del g, fn
+            torch.cuda.empty_cache()
+        row["speedup"] = row["float32_us"] / row["bfloat16_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "reps": args.reps,
+                   "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
