@@ -6,6 +6,9 @@ every indexer key to BF16 each step) and on a BF16 state (``HopperBackend.state_
 convert). V4-Flash shapes: 64 heads x 512, SWA ring 128, CSA ratio 4 with top-512 and 64 index heads x
 128, HCA ratio 128. CUDA graphs, cold L2 (``gpu_timing.ColdTimer``).
 
+Then the cost of emitting one CSA entry into such a state (``emit_cost``): ``torch.cat`` of the whole
+state against the runtime's spare store.
+
     python bench/decode_state_bench.py --out decode_state_bench.json
 """
 
@@ -46,16 +49,59 @@ def step_fn(be, kind: str, ctx: int, b: int, dtype: torch.dtype, gen: torch.Gene
     return fn, state_bytes + keys.nbytes
 
 
+def _event_us(fn, reps: int) -> float:
+    """Mean microseconds of ``fn`` over ``reps`` eager calls (CUDA events)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def emit_cost(ctx: int, b: int, reps: int) -> dict:
+    """One CSA compressor emit (an entry [B, 1, 512] and an indexer key [B, 1, 128], once per 4 tokens) into
+    a state holding ctx / 4 of each: ``torch.cat`` of the whole state (the earlier runtime) against
+    ``CompressorState.append`` into a spare store (a write, plus a 1.25x reallocation every n / 4 emits,
+    amortised here)."""
+    from nvfp4_megamoe.runtime.state import CompressorState
+    n, dev, bf = ctx // 4, "cuda", torch.bfloat16
+    ent, key = torch.randn(b, n, DIM, device=dev).to(bf), torch.randn(b, n, INDEX_DIM, device=dev).to(bf)
+    new_e, new_k = torch.randn(b, 1, DIM, device=dev), torch.randn(b, 1, INDEX_DIM, device=dev)
+    cat_us = _event_us(lambda: (torch.cat((ent, new_e.to(bf)), 1), torch.cat((key, new_k.to(bf)), 1)), reps)
+    stores = []
+    for t in (ent, key):
+        cs = CompressorState.empty(b, 1, t.shape[2], dev, bf, spare=True)
+        cs.append(t)
+        cs.store = torch.cat((cs.store, torch.zeros_like(cs.store)), 1)   # room: no growth while timing writes
+        stores.append(cs)
+
+    def write():
+        for cs, new in zip(stores, (new_e, new_k)):
+            cs.count -= 1 if cs.count > n else 0
+            cs.append(new)
+    write_us = _event_us(write, reps)
+    grow_us = _event_us(lambda: [cs.store.new_zeros(b, cs.count * 5 // 4, cs.store.shape[2])[:, :cs.count]
+                                 .copy_(cs.entries) for cs in stores], max(1, reps // 4))
+    store_us = write_us + grow_us / max(1, n // 4)
+    return dict(context=ctx, batch=b, cat_us=cat_us, store_write_us=write_us, store_grow_us=grow_us,
+                store_amortised_us=store_us, per_token_saving_us=(cat_us - store_us) / 4)
+
+
 def main() -> None:
     from nvfp4_megamoe.runtime.hopper import HopperBackend
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--emit-only", action="store_true", help="only the emit costs")
     ap.add_argument("--out", default="decode_state_bench.json")
     args = ap.parse_args()
     be, timer, rows = HopperBackend(), ColdTimer(), []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for kind, ctx, b in CASES:
+    for kind, ctx, b in ([] if args.emit_only else CASES):
         row = dict(kind=kind, context=ctx, batch=b)
         for dtype in (torch.float32, torch.bfloat16):
             fn, nbytes = step_fn(be, kind, ctx, b, dtype, gen)
@@ -68,9 +114,14 @@ def main() -> None:
         row["speedup"] = row["float32_us"] / row["bfloat16_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)
+    emits = []
+    for ctx, b in ((65536, 8), (1 << 20, 1), (1 << 20, 8)):
+        emits.append(emit_cost(ctx, b, args.reps))
+        print(json.dumps(emits[-1]), flush=True)
+        torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "reps": args.reps,
-                   "rows": rows}, f, indent=1)
+                   "rows": rows, "emit": emits}, f, indent=1)
 
 
 if __name__ == "__main__":

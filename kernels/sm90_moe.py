@@ -221,11 +221,17 @@ def dense_linear_op(n: int, k: int, tokens: int, out_bf16: bool = True) -> Sm90N
                                 out_bf16=out_bf16)
 
 
+_UNUSED: dict[torch.device, torch.Tensor] = {}
+
+
 def _dense_operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, alpha: torch.Tensor,
                     out: torch.Tensor) -> list[torch.Tensor]:
-    # one group: the routing operands are unused in "store" mode, 1-element stand-ins fill their places
+    # one group: the routing operands are unused in "store" mode, 1-element stand-ins (made once per
+    # device, not a zero-fill launch per call) fill their places
     n, half_k = weight.shape
-    unused = torch.zeros(1, 3, dtype=torch.int32, device=x.device)
+    unused = _UNUSED.get(x.device)
+    if unused is None:
+        unused = _UNUSED[x.device] = torch.zeros(1, 3, dtype=torch.int32, device=x.device)
     return [weight.view(1, n, half_k), weight_scale.reshape(1, -1), alpha.reshape(1), x,
             unused[0, :1], alpha.reshape(1), unused, unused[0, :1], out, out]
 

@@ -62,9 +62,10 @@ class Model:
             st = LayerState(torch.zeros((batch, cfg.sliding_window, cfg.head_dim), dtype=dt, device=dev))
             if ratio:
                 width = 2 * cfg.head_dim if ratio == 4 else cfg.head_dim
-                st.compressor = CompressorState.empty(batch, width, cfg.head_dim, dev, dt)
+                st.compressor = CompressorState.empty(batch, width, cfg.head_dim, dev, dt, spare=ratio == 4)
             if ratio == 4:
-                st.indexer = CompressorState.empty(batch, 2 * cfg.index_head_dim, cfg.index_head_dim, dev, dt)
+                st.indexer = CompressorState.empty(batch, 2 * cfg.index_head_dim, cfg.index_head_dim, dev, dt,
+                                                   spare=True)
             state.layers[i] = st
         return state
 
@@ -171,16 +172,19 @@ class Model:
         entries = indices = None
         ratio = a.compress_ratio
         if ratio:  # every entry present is complete, hence visible to this token
-            entries = self._compress(a.compressor, h, st.compressor, ratio, freq)
-            if a.indexer is not None:
+            cs = st.compressor
+            self._compress(a.compressor, h, cs, ratio, freq)
+            entries = cs.entries
+            if a.indexer is not None:  # whole stores (no copy): the picks and n_valid bound what is read
                 ix = a.indexer
-                index_keys = self._compress(ix.compressor, h, st.indexer, ratio, freq)
+                self._compress(ix.compressor, h, st.indexer, ratio, freq)
                 iq = be.linear(qr[:, 0], ix.wq_b).view(b, cfg.index_n_heads, cfg.index_head_dim)
                 iq = be.apply_rope(iq, cos, sin)
-                n_valid = torch.full((b,), index_keys.shape[1], dtype=torch.int32, device=h.device)
-                indices = be.indexer_topk(iq, index_keys, be.linear(h[:, 0], ix.weights_proj),
+                n_valid = torch.full((b,), st.indexer.count, dtype=torch.int32, device=h.device)
+                indices = be.indexer_topk(iq, st.indexer.store, be.linear(h[:, 0], ix.weights_proj),
                                           cfg.index_topk, n_valid)
-            if entries.shape[1] == 0:  # no window closed yet: a window-only step
+                entries = cs.store
+            if cs.count == 0:  # no window closed yet: a window-only step
                 entries = indices = None
         out = be.decode_attention(q[:, 0], st.window, window_len, entries, indices, a.sink, cfg.head_dim ** -0.5)
         return out[:, None]
@@ -197,10 +201,9 @@ class Model:
                                                gate[:, :n * ratio].reshape(b, n, ratio, -1), cw.ape,
                                                overlap=ratio == 4, prev=cs.prev)
             cs.prev = last
-            first = cs.entries.shape[1]
+            first = cs.count
             cos, sin = be.rope_tables(torch.arange(first, first + n, device=h.device) * ratio, freq)
-            entries = be.apply_rope(be.rms_norm(pooled, cw.norm, self.config.rms_norm_eps), cos, sin)
-            cs.entries = torch.cat((cs.entries, entries.to(cs.entries.dtype)), dim=1)
+            cs.append(be.apply_rope(be.rms_norm(pooled, cw.norm, self.config.rms_norm_eps), cos, sin))
         return cs.entries
 
     def _moe(self, lw: LayerWeights, h, input_ids):
