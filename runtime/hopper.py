@@ -6,8 +6,11 @@ the PyTorch references everywhere else.
 * decode attention: :func:`~nvfp4_megamoe.kernels.sm90_decode_attention.decode_attention`
   (head_dim 512, heads a multiple of 64), BF16 operands;
 * decode indexer top-k of CSA layers: :func:`~nvfp4_megamoe.kernels.sm90_attention_indexer.indexer_topk`
-  (the fused score kernel where the index heads/dims tile, then the sort kernel up to 4,096 entries or
-  ``torch.topk``; every size compiled at the first call), BF16 query and keys;
+  (the fused score kernel where the index heads/dims tile, then the sort kernel, with segment passes
+  beyond 4,096 entries, or ``torch.topk`` above 1M keys in all; every size compiled at the first call),
+  BF16 query and keys;
+* the decode state (ring, compressed entries, indexer keys) is kept in BF16 (``state_dtype``), the
+  dtype these kernels read, so no step converts it;
 * mHC weights before each sublayer (``hc_pre``): :func:`~nvfp4_megamoe.kernels.sm90_mhc.hc_weights_sm90`,
   one launch for the sigmoids, softmax and Sinkhorn rounds (155 torch calls per reference ``hc_pre``);
 * dense NVFP4 linears (attention projections, shared experts, ``wo_a`` per group):
