@@ -33,7 +33,8 @@ read K-major it is B of ``S = Q K^T`` (N = entries), read MN-major (``tnsp_b``) 
   next ``wgmma``): ``chunk / 16`` ``wgmma`` m64 n256 k16.
 
 Loads: all 256 threads gather rows with ``cp.async`` (zero fill, no HBM read, for invalid entries:
-slot >= window_len, index -1) ``stages - 1`` chunks ahead; a barrier per chunk publishes the landed
+slot >= window_len, index -1) ``stages - 1`` chunks ahead, each CSA row's entry index read one chunk
+before that (4-8 % faster CSA from B = 32, ``docs/benchmarks.md``); a barrier per chunk publishes the landed
 chunk (after a proxy fence: ``wgmma`` reads shared memory through the async proxy) and frees the slot
 the previous chunk used.
 
@@ -201,8 +202,12 @@ class Sm90DecodeAttention:
         sub = tidx % self.tpr
         for st in cutlass.range_constexpr(self.stages - 1):
             if n_mine > st:
-                self.load_chunk(mKvw, mKvc, mIdx, sbase, b, wlen, W, K, N, c_begin + st, Int32(st), r, sub)
+                self.load_chunk(mKvw, mKvc, sbase, b, wlen, W, K, N, c_begin + st, Int32(st), r, sub,
+                                self.fetch_index(mIdx, b, W, K, c_begin + st, r))
             cute.arch.cp_async_commit_group()
+        # CSA: the entry index of this thread's row in the next chunk to load, read one iteration ahead
+        # so that its latency is not on the chunk's path (load, then gather)
+        idx_next = self.fetch_index(mIdx, b, W, K, c_begin + self.stages - 1, r)
 
         o = cute.make_rmem_tensor((128,), Float32)
         o.fill(0.0)
@@ -222,7 +227,9 @@ class Sm90DecodeAttention:
             cute.arch.barrier()                       # chunk `it` landed everywhere; chunk it - 1's slot is free
             nxt = it + self.stages - 1
             if nxt < n_mine:
-                self.load_chunk(mKvw, mKvc, mIdx, sbase, b, wlen, W, K, N, c_begin + nxt, nxt % self.stages, r, sub)
+                self.load_chunk(mKvw, mKvc, sbase, b, wlen, W, K, N, c_begin + nxt, nxt % self.stages, r, sub,
+                                idx_next)
+            idx_next = self.fetch_index(mIdx, b, W, K, c_begin + nxt + 1, r)
             cute.arch.cp_async_commit_group()
             warpgroup.fence()
             s = self.s_half(sbase, kv, wg)
@@ -436,10 +443,25 @@ class Sm90DecodeAttention:
         return pa
 
     @cute.jit
-    def load_chunk(self, mKvw: cute.Tensor, mKvc: cute.Tensor, mIdx: cute.Tensor, sbase: Int32, b: Int32,
+    def fetch_index(self, mIdx: cute.Tensor, b: Int32, W: Int32, K: Int32, chunk: Int32, r: Int32) -> Int32:
+        """The compressed entry row r of ``chunk`` reads ("indexed": ``indices``, else its position past the
+        window); -1 where the row is a window slot or past the list."""
+        e = chunk * self.chunk + r
+        idx = Int32(-1)
+        if const_expr(self.mode != "window"):
+            if e >= W:
+                if e < W + K:
+                    idx = e - W
+                    if const_expr(self.mode == "indexed"):
+                        idx = mIdx[b, e - W]
+        return idx
+
+    @cute.jit
+    def load_chunk(self, mKvw: cute.Tensor, mKvc: cute.Tensor, sbase: Int32, b: Int32,
                    wlen: Int32, W: Int32, K: Int32, N: Int32, chunk: Int32, slot: Int32,
-                   r: Int32, sub: Int32):
-        """Thread (r, sub) gathers ``upt`` of the 64 16-byte pieces of row r of the chunk, and its mask bias."""
+                   r: Int32, sub: Int32, idx: Int32):
+        """Thread (r, sub) gathers ``upt`` of the 64 16-byte pieces of row r of the chunk (``idx``: its
+        :meth:`fetch_index`), and its mask bias."""
         e = chunk * self.chunk + r
         src = mKvw.iterator.toint()
         nbytes = Int32(0)
@@ -449,14 +471,10 @@ class Sm90DecodeAttention:
                 src = src + (Int64(b) * W + Int64(e)) * ROW
         else:
             if const_expr(self.mode != "window"):
-                if e < W + K:
-                    idx = e - W
-                    if const_expr(self.mode == "indexed"):
-                        idx = mIdx[b, e - W]
-                    if idx >= 0:
-                        if idx < N:
-                            nbytes = Int32(16)
-                            src = mKvc.iterator.toint() + (Int64(b) * N + Int64(idx)) * ROW
+                if idx >= 0:
+                    if idx < N:
+                        nbytes = Int32(16)
+                        src = mKvc.iterator.toint() + (Int64(b) * N + Int64(idx)) * ROW
         dst = sbase + self.off_kv + slot * self.kv_bytes + r * ATOM
         for i in cutlass.range_constexpr(self.upt):
             seg = sub + self.tpr * i
