@@ -446,17 +446,7 @@ class Sm90SortTopk:
         for r in cutlass.range_constexpr(self.entries // 2 // SORT_THREADS):
             p = tidx + SORT_THREADS * r
             i = ((p >> st_log) << (st_log + 1)) + (p & ((1 << st_log) - 1))
-            j = i + (1 << st_log)
-            a = sk[i]
-            c = sk[j]
-            if (i & (1 << size_log)) == 0:
-                if a < c:
-                    sk[i] = c
-                    sk[j] = a
-            else:
-                if a > c:
-                    sk[i] = c
-                    sk[j] = a
+            self.order_pair(sk, i, i + (1 << st_log), (i & (1 << size_log)) == 0)
 
     @cute.jit
     def exchange_lanes(self, reg: cute.Tensor, tidx: Int32, size_log: cutlass.Constexpr, st_log: cutlass.Constexpr,
@@ -480,14 +470,18 @@ class Sm90SortTopk:
         KPT = self.entries // SORT_THREADS
         for e in cutlass.range_constexpr(KPT):
             if cutlass.const_expr(((e >> st_log) & 1) == 0):
-                f = e + (1 << st_log)
-                a = reg[e]
-                c = reg[f]
-                if ((tidx * KPT + e) & (1 << size_log)) == 0:
-                    if a < c:
-                        reg[e] = c
-                        reg[f] = a
-                else:
-                    if a > c:
-                        reg[e] = c
-                        reg[f] = a
+                self.order_pair(reg, e, e + (1 << st_log), ((tidx * KPT + e) & (1 << size_log)) == 0)
+
+    @cute.jit
+    def order_pair(self, t: cute.Tensor, i, j, descending):
+        """Put ``t[i]``, ``t[j]`` in descending (else ascending) order."""
+        a = t[i]
+        c = t[j]
+        if descending:
+            if a < c:
+                t[i] = c
+                t[j] = a
+        else:
+            if a > c:
+                t[i] = c
+                t[j] = a
