@@ -389,3 +389,48 @@ def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
     """``ex2.approx.ftz.f32`` (2**-inf = 0)."""
     return Float32(llvm.inline_asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
                                    has_side_effects=False, loc=loc, ip=ip))
+
+
+# --- bulk copies into shared memory, completed on an mbarrier (MoE ``tma`` weight streaming) ---
+
+@dsl_user_op
+def mbarrier_init(addr: Int32, count: int, *, loc=None, ip=None) -> None:
+    """``mbarrier.init`` of the 8-byte barrier at shared address ``addr`` for ``count`` arrivals."""
+    llvm.inline_asm(None, [_i32(addr, loc, ip)], f"mbarrier.init.shared::cta.b64 [$0], {count};", "r",
+                    has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbarrier_arrive_expect_tx(addr: Int32, nbytes: int, *, loc=None, ip=None) -> None:
+    """Arrive on the barrier and add ``nbytes`` to the bytes its phase waits for."""
+    llvm.inline_asm(None, [_i32(addr, loc, ip)],
+                    f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {nbytes};", "r",
+                    has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbarrier_try_wait(addr: Int32, parity: int, *, loc=None, ip=None) -> Int32:
+    """1 once the barrier's phase of ``parity`` has completed, else 0 (after a bounded wait)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [_i32(addr, loc, ip)],
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], " + str(parity)
+        + "; selp.u32 $0, 1, 0, p; }", "=r,r", has_side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bulk_copy_to_shared(dst: Int32, src: Int64, nbytes: int, mbar: Int32, *, loc=None, ip=None) -> None:
+    """``cp.async.bulk`` of ``nbytes`` (a multiple of 16, both addresses 16-aligned) from global to shared
+    memory; its bytes complete on ``mbar``."""
+    llvm.inline_asm(
+        None, [_i32(dst, loc, ip), Int64(src).ir_value(loc=loc, ip=ip), _i32(mbar, loc, ip)],
+        f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {nbytes}, [$2];",
+        "r,l,r", has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_shared_v4(addr: Int32, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """16 bytes from a 16-aligned shared address."""
+    res = llvm.inline_asm(
+        _struct(4), [_i32(addr, loc, ip)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+        has_side_effects=True, loc=loc, ip=ip)
+    return _unpack(res, 4, T.i32(), Int32, loc, ip)
