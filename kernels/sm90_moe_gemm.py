@@ -45,8 +45,6 @@ from . import sm90_ptx as ptx
 from .swizzle import swizzled_nbytes
 
 K_TILE = 128  # logical K per tile: 16 bytes of one weight row per lane, 4 lanes per row
-TMA_STAGES = 4  # K pieces per row of the ``tma`` weight copies (one mbarrier each)
-TMA_SMEM_LIMIT = 227 * 1024
 MODES = ("swiglu", "scatter", "store")
 
 
@@ -77,16 +75,12 @@ class Sm90Nvfp4GroupedGemm:
             ``num_tiles`` unused). For one token, whose k pairs go to k distinct experts, this reads
             each expert once, like the sorted tiles, and saves the routing launch; an expert repeated
             across tokens is read once per pair (the repeats mostly from L2).
-        tma: the CTA's weight rows (its whole K range) are requested at the start with bulk copies into
-            shared memory (``TMA_STAGES`` K pieces per row, each completing on an mbarrier; rows padded by
-            16 bytes so the fragment reads hit every bank group equally), and the MMAs read them there; the
-            scales stay on the register pipeline. Every weight byte of a resident CTA is in flight at once.
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
                  warps: int = 4, row_tiles: int = 1, depth: int = 4, b_depth: int | None = None,
                  split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
-                 pdl_prefetch: bool = False, direct_top_k: int = 0, tma: bool = False):
+                 pdl_prefetch: bool = False, direct_top_k: int = 0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -121,19 +115,11 @@ class Sm90Nvfp4GroupedGemm:
         if b_depth and self.depth % b_depth:
             b_depth = 0
         self.b_depth = b_depth
-        self.tma = tma
-        self.tma_stages = max(s for s in (1, 2, 4, TMA_STAGES) if s <= TMA_STAGES and self.n_kt % s == 0)
-        self.tma_row = self.n_kt * 64 + 16                      # bytes per row in shared memory (padded)
-        self.tma_piece = self.n_kt * 64 // self.tma_stages      # bytes of one row in one stage
-        self.tma_bytes = self.bm * self.tma_row + 8 * self.tma_stages
-        if tma and self.tma_bytes > TMA_SMEM_LIMIT:
-            raise ValueError(f"tma needs {self.tma_bytes} B of shared memory for {self.bm} rows x K={k} "
-                             f"(at most {TMA_SMEM_LIMIT})")
 
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
                 self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
-                self.direct_top_k, self.tma)
+                self.direct_top_k)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -234,10 +220,6 @@ class Sm90Nvfp4GroupedGemm:
                 brow = self.token_of(mTok, brow)
             b_addr[nb] = x_base + Int64(brow) * (k * 2)
 
-        sw = Int32(0)
-        if const_expr(self.tma):
-            sw = self.request_weights(mW, e64, bx, kt0, warp * 32 + g * 4 + c)
-
         # --- register pipeline of weight words and scale pairs ---
         D = self.depth
         n_kt = self.n_kt
@@ -279,14 +261,11 @@ class Sm90Nvfp4GroupedGemm:
                 # take this stage's weights, refill the slot with k-tile kt + D (clamped: a re-read hits cache)
                 cw = cute.make_rmem_tensor((self.row_tiles, 2, 4), Int32)
                 cs = cute.make_rmem_tensor((self.row_tiles, 2), Int32)
-                if const_expr(self.tma):
-                    self.weights_from_shared(cw, sw, kto + d, warp, g, c)
                 for mt in cutlass.range_constexpr(self.row_tiles):
                     for h in cutlass.range_constexpr(2):
                         cs[mt, h] = sbuf[d, mt, h]
-                        if const_expr(not self.tma):
-                            for i in cutlass.range_constexpr(4):
-                                cw[mt, h, i] = wbuf[d, mt, h, i]
+                        for i in cutlass.range_constexpr(4):
+                            cw[mt, h, i] = wbuf[d, mt, h, i]
                 nxt = kt + D
                 if nxt > kt_last:
                     nxt = kt_last
@@ -300,50 +279,10 @@ class Sm90Nvfp4GroupedGemm:
                slot: cutlass.Constexpr[int], kt: Int32):
         for mt in cutlass.range_constexpr(self.row_tiles):
             for h in cutlass.range_constexpr(2):
-                if const_expr(not self.tma):
-                    v = ptx.ld_global_v4(a_addr[mt, h] + Int64(kt * 64), self.l2_prefetch)
-                    for i in cutlass.range_constexpr(4):
-                        wbuf[slot, mt, h, i] = v[i]
+                v = ptx.ld_global_v4(a_addr[mt, h] + Int64(kt * 64), self.l2_prefetch)
+                for i in cutlass.range_constexpr(4):
+                    wbuf[slot, mt, h, i] = v[i]
                 sbuf[slot, mt, h] = ptx.ld_global_u16(s_addr[mt, h] + Int64(kt * 1024))
-
-    @cute.jit
-    def request_weights(self, mW: cute.Tensor, e64: Int64, bx: Int32, kt0: Int32, tidx: Int32) -> Int32:
-        """``tma``: one mbarrier per K piece, then thread r < BM requests row r's pieces; returns the base
-        shared address of the rows."""
-        smem = cutlass.memory.SmemAllocator()
-        sw = Int32(smem.allocate_array(cutlass.Int8, self.tma_bytes, byte_alignment=128).toint())
-        mbar = sw + self.bm * self.tma_row
-        if tidx == 0:
-            for st in cutlass.range_constexpr(self.tma_stages):
-                ptx.mbarrier_init(mbar + 8 * st, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.barrier()
-        if tidx == 0:
-            for st in cutlass.range_constexpr(self.tma_stages):
-                ptx.mbarrier_arrive_expect_tx(mbar + 8 * st, self.bm * self.tma_piece)
-        if tidx < self.bm:
-            src = (mW.iterator.toint() + e64 * (self.m * (self.k // 2)) + Int64(bx * self.bm + tidx) * (self.k // 2)
-                   + Int64(kt0 * 64))
-            for st in cutlass.range_constexpr(self.tma_stages):
-                ptx.bulk_copy_to_shared(sw + tidx * self.tma_row + st * self.tma_piece, src + Int64(st * self.tma_piece),
-                                        self.tma_piece, mbar + 8 * st)
-        return sw
-
-    @cute.jit
-    def weights_from_shared(self, cw: cute.Tensor, sw: Int32, i: Int32, warp: Int32, g: Int32, c: Int32):
-        """``tma``: this thread's weight words of local k-tile ``i`` (waiting for its piece first)."""
-        per_stage = self.n_kt // self.tma_stages
-        if i % per_stage == 0:
-            mbar = sw + self.bm * self.tma_row + 8 * (i // per_stage)
-            done = ptx.mbarrier_try_wait(mbar, 0)
-            while done == 0:
-                done = ptx.mbarrier_try_wait(mbar, 0)
-        for mt in cutlass.range_constexpr(self.row_tiles):
-            for h in cutlass.range_constexpr(2):
-                r = warp * (16 * self.row_tiles) + mt * 16 + g + h * 8
-                v = ptx.ld_shared_v4(sw + r * self.tma_row + i * 64 + c * 16)
-                for j in cutlass.range_constexpr(4):
-                    cw[mt, h, j] = v[j]
 
     @cute.jit
     def load_b(self, xbuf: cute.Tensor, b_addr: cute.Tensor, slot: cutlass.Constexpr, kt: Int32):

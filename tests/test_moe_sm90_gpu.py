@@ -94,9 +94,6 @@ TUNED = [
     ("small", 3, "skewed", {"direct_max_tokens": 4}),
     ("flash", 4, "skewed", {"direct_max_tokens": 8}),
     ("pro", 7, "uniform", {"direct_max_tokens": 8}),
-    # weights requested whole into shared memory by bulk copies (L2; both on the small shape)
-    ("flash", 1, "uniform", {"l2": {"tma": True}}), ("pro", 2, "skewed", {"l2": {"tma": True}}),
-    ("flash", 64, "skewed", {"l2": {"tma": True}}), ("small", 3, "uniform", {"tma": True}),
 ]
 
 
