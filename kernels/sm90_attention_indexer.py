@@ -362,9 +362,11 @@ class Sm90IndexerScores:
 
 class Sm90SortTopk:
     """The ``k`` best of each ``entries``-key segment (``entries`` a power of two, ``SORT_SIZES``) of int64
-    order keys: one CTA per (segment, request) loads them into shared memory (padded with the smallest
-    int64), sorts them descending with a bitonic network (log2(entries) (log2(entries) + 1) / 2
-    compare-exchange steps, a CTA barrier each: 78 for 4,096) and writes its first ``k``:
+    order keys: one CTA per (segment, request), ``entries / 1024`` consecutive keys per thread (padded with
+    the smallest int64), sorts them descending with a bitonic network (log2(entries) (log2(entries) + 1) / 2
+    compare-exchange steps: partners in the same thread in registers, in the same warp by shuffles, farther
+    through shared memory with a CTA barrier each, 20 barriers for 4,096 keys instead of 78) and writes its
+    first ``k``:
 
     * ``keys_out=False`` (one segment per request, N <= ``entries``): the entry indices
       (``0xFFFFFFFF -`` the key's low word), -1 for -inf scores and padding;
