@@ -42,6 +42,8 @@ STAGES = 4
 # 1,024 keys as 2,048 took ~10 us and as 4,096 ~22 us against ~40 us for torch.topk; one CTA on 16,384
 # keys took ~150 us against ~95 us, so longer lists go through segment passes of 4,096.
 SORT_SIZES = (2048, 4096)
+SEGMENT = SORT_SIZES[-1]               # keys per segment of a segment pass
+SEGMENT_MAX_K = SEGMENT // 2           # the largest k a segment pass shortens the list for
 # keys (all requests) up to which segment passes beat torch.topk on longer lists. Measured on an H200
 # (docs/benchmarks.md): 16K keys x 1-32 requests and 262K x 1 1.2-2.0x faster, 2M keys in all even
 # (16K x 128) or 5 % slower (262K x 8), 8M-33M 1.3-1.5x slower.
@@ -153,12 +155,16 @@ def sort_size(n: int, k: int) -> int | None:
 def sort_levels(n: int, k: int) -> list[int]:
     """List lengths the segment passes of :func:`topk_of_keys` reduce ``n`` keys through before the final
     sort (empty up to 4,096 keys): each pass keeps ``k`` of every 4,096."""
-    p = SORT_SIZES[-1]
     levels = []
-    while n > p:
-        n = -(-n // p) * k
+    while n > SEGMENT:
+        n = -(-n // SEGMENT) * k
         levels.append(n)
     return levels
+
+
+def segment_pass(k: int) -> "Sm90SortTopk":
+    """The sort kernel that keeps the ``k`` best keys of every ``SEGMENT`` keys."""
+    return Sm90SortTopk(k=k, entries=SEGMENT, keys_out=True)
 
 
 def uses_sort_kernel(key: torch.Tensor, k: int) -> bool:
@@ -166,7 +172,7 @@ def uses_sort_kernel(key: torch.Tensor, k: int) -> bool:
     segment passes up to ``SEGMENT_PASS_MAX_KEYS`` keys in all and k <= 2,048 (each pass must shorten the
     list)."""
     b, n = key.shape
-    fits = sort_size(n, k) is not None or (k <= SORT_SIZES[-1] // 2 and b * n <= SEGMENT_PASS_MAX_KEYS)
+    fits = sort_size(n, k) is not None or (k <= SEGMENT_MAX_K and b * n <= SEGMENT_PASS_MAX_KEYS)
     return key.is_cuda and b > 0 and n > 0 and fits and torch.cuda.get_device_capability(key.device) == (9, 0)
 
 
@@ -181,7 +187,7 @@ def topk_of_keys(key: torch.Tensor, k: int) -> torch.Tensor:
     b = key.shape[0]
     for n in sort_levels(key.shape[1], k):
         shorter = torch.empty(b, n, dtype=torch.int64, device=key.device)
-        _launch(Sm90SortTopk(k=k, entries=SORT_SIZES[-1], keys_out=True), [key, shorter])
+        _launch(segment_pass(k), [key, shorter])
         key = shorter
     out = torch.empty(b, k, dtype=torch.int32, device=key.device)
     _launch(Sm90SortTopk(k=k, entries=sort_size(key.shape[1], k)), [key, out])
@@ -203,9 +209,8 @@ def warmup_indexer(heads: int, dim: int, k: int, device: torch.device | str) -> 
         if k <= size:
             _compile(Sm90SortTopk(k=k, entries=size), [torch.empty(1, 1, **i64), torch.empty(1, k, **i32)])
             n += 1
-    if k <= SORT_SIZES[-1] // 2:
-        _compile(Sm90SortTopk(k=k, entries=SORT_SIZES[-1], keys_out=True),
-                 [torch.empty(1, 1, **i64), torch.empty(1, k, **i64)])
+    if k <= SEGMENT_MAX_K:
+        _compile(segment_pass(k), [torch.empty(1, 1, **i64), torch.empty(1, k, **i64)])
         n += 1
     return n
 

@@ -202,7 +202,7 @@ class Sm90DecodeAttention:
         sub = tidx % self.tpr
         for st in cutlass.range_constexpr(self.stages - 1):
             if n_mine > st:
-                self.load_chunk(mKvw, mKvc, sbase, b, wlen, W, K, N, c_begin + st, Int32(st), r, sub,
+                self.load_chunk(mKvw, mKvc, sbase, b, wlen, W, N, c_begin + st, Int32(st), r, sub,
                                 self.fetch_index(mIdx, b, W, K, c_begin + st, r))
             cute.arch.cp_async_commit_group()
         # CSA: the entry index of this thread's row in the next chunk to load, read one iteration ahead
@@ -227,7 +227,7 @@ class Sm90DecodeAttention:
             cute.arch.barrier()                       # chunk `it` landed everywhere; chunk it - 1's slot is free
             nxt = it + self.stages - 1
             if nxt < n_mine:
-                self.load_chunk(mKvw, mKvc, sbase, b, wlen, W, K, N, c_begin + nxt, nxt % self.stages, r, sub,
+                self.load_chunk(mKvw, mKvc, sbase, b, wlen, W, N, c_begin + nxt, nxt % self.stages, r, sub,
                                 idx_next)
             idx_next = self.fetch_index(mIdx, b, W, K, c_begin + nxt + 1, r)
             cute.arch.cp_async_commit_group()
@@ -458,7 +458,7 @@ class Sm90DecodeAttention:
 
     @cute.jit
     def load_chunk(self, mKvw: cute.Tensor, mKvc: cute.Tensor, sbase: Int32, b: Int32,
-                   wlen: Int32, W: Int32, K: Int32, N: Int32, chunk: Int32, slot: Int32,
+                   wlen: Int32, W: Int32, N: Int32, chunk: Int32, slot: Int32,
                    r: Int32, sub: Int32, idx: Int32):
         """Thread (r, sub) gathers ``upt`` of the 64 16-byte pieces of row r of the chunk (``idx``: its
         :meth:`fetch_index`), and its mask bias."""
