@@ -1,16 +1,22 @@
-"""Host glue shared by the CuTeDSL kernels: torch -> CuTe tensors, a compile cache, launches.
+"""Host glue shared by the CuTeDSL kernels: a compile cache and launches from torch tensors.
 
 Kernel objects expose ``key()`` (their static configuration); a compiled kernel is cached
-in-process by (class, key, operand dtypes and ranks), with shapes left dynamic, so one compile
-serves every token count. With ``CUTE_DSL_ARCH=sm_90a`` and CPU tensors :func:`compile_op`
+in-process by (class, key, operand dtypes, ranks and alignments), with shapes left dynamic, so one
+compile serves every token count. With ``CUTE_DSL_ARCH=sm_90a`` and CPU tensors :func:`compile_op`
 builds the sm_90a binary without a GPU (the CI compile tests).
 
+Kernels are compiled with TVM-FFI (``--enable-tvm-ffi``): the compiled function takes the torch
+tensors themselves and the stream handle, and checks and converts them in C. A launch then costs
+about 10 us of host time instead of about 220 us (``from_dlpack`` per tensor and CuTe's Python
+argument path; measured on the H200 machine, ``docs/benchmarks.md``), which is most of an eager
+decode step's launch cost.
+
 On disk: ``cute.compile`` bypasses CuTeDSL's own file cache, so each compiled kernel is also written
-as an object file (``dump_to_object``) to a folder, and later processes load it
+as an object file (``export_to_c``) to a folder, and later processes load it
 (``cute.runtime.load_module``) instead of compiling. The folder is ``$NVFP4_MEGAMOE_KERNEL_CACHE``,
 by default ``$XDG_CACHE_HOME/nvfp4_megamoe/kernels`` (``~/.cache/nvfp4_megamoe/kernels`` without
 it); ``0``, ``off``, ``false``, ``none`` or an empty value turn the disk cache off. The file name hashes
-the in-process key, the operands' alignments, the target, the CuTeDSL version and the source of every
+the in-process key, the target, the CuTeDSL version and the source of every
 module in ``kernels/``, so an edited kernel or another toolchain never loads a stale binary; a file
 that fails to load is compiled again, and a folder that cannot be written warns once and leaves the
 kernels in-process. ``tests/test_moe_sm90_gpu.py`` checks that loaded kernels compute what compiled
@@ -40,10 +46,12 @@ def _alignment(t: torch.Tensor) -> int:
 
 
 def to_cute(t: torch.Tensor):
-    """A torch tensor as a CuTe tensor (16-byte alignment when the pointer allows; dynamic layout)."""
+    """A torch tensor as the compile-time CuTe spec of an operand (16-byte alignment when the pointer
+    allows; dynamic shape and strides, unit stride innermost; passed through TVM-FFI)."""
     from cutlass.cute.runtime import from_dlpack
 
-    return from_dlpack(t, assumed_align=_alignment(t)).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    return from_dlpack(t, assumed_align=_alignment(t), enable_tvm_ffi=True).mark_layout_dynamic(
+        leading_dim=t.dim() - 1)
 
 
 def _source_digest() -> str:
@@ -77,14 +85,14 @@ def cache_folder() -> Path | None:
     return base / "nvfp4_megamoe" / "kernels"
 
 
-def _cache_file(key: tuple, tensors: list[torch.Tensor]) -> tuple[Path, str] | None:
+def _cache_file(key: tuple) -> tuple[Path, str] | None:
     """(object file, symbol prefix) of this compile in the on-disk cache, or None when it is off."""
     folder = cache_folder()
     if folder is None or folder in _UNWRITABLE:
         return None
     target = os.environ.get("CUTE_DSL_ARCH") or (
         "sm_%d%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else "cpu")
-    ident = repr((key, tuple(_alignment(t) for t in tensors), target, _source_digest()))
+    ident = repr((key, target, _source_digest()))
     digest = hashlib.sha256(ident.encode()).hexdigest()
     return folder / f"{digest}.o", f"k{digest[:24]}"
 
@@ -99,7 +107,7 @@ def _load_cached(where: tuple[Path, str]) -> Callable | None:
     try:
         from cutlass.cute.runtime import load_module
 
-        return getattr(load_module(str(path)), prefix)
+        return getattr(load_module(str(path), enable_tvm_ffi=True), prefix)
     except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: compile again, say so once
         warnings.warn(f"{path}: cached kernel did not load ({exc}); compiling it again", stacklevel=3)
         return None
@@ -107,44 +115,38 @@ def _load_cached(where: tuple[Path, str]) -> Callable | None:
 
 def _store_cached(where: tuple[Path, str], fn) -> None:
     path, prefix = where
-    try:
-        data = fn.dump_to_object(prefix)
-    except Exception as exc:  # noqa: BLE001 - the cache is an optimisation: the compiled kernel still serves
-        warnings.warn(f"{path}: could not cache the compiled kernel ({exc})", stacklevel=3)
-        return
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(data)
+        fn.export_to_c(str(tmp), prefix)  # an object file whatever the suffix
         os.replace(tmp, path)  # another process writing the same kernel writes the same bytes
     except OSError as exc:  # read-only, full, not a folder: every later store would fail the same way
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         _UNWRITABLE.add(path.parent)
         warnings.warn(f"kernel cache {path.parent} is not writable ({exc}); compiled kernels stay in this "
                       f"process only (set {CACHE_ENV} to another folder, or to 0 to turn the disk cache off)",
                       stacklevel=3)
+    except Exception as exc:  # noqa: BLE001 - the cache is an optimisation: the compiled kernel still serves
+        warnings.warn(f"{path}: could not cache the compiled kernel ({exc})", stacklevel=3)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
-def current_stream():
-    """The current torch CUDA stream as a CUDA driver stream."""
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-
-
-def compile_op(op, tensors: list[torch.Tensor], stream=None) -> Callable:
-    """Compile ``op`` for these tensors' dtypes and ranks (shapes stay dynamic), cached in-process and on disk."""
-    key = (type(op).__name__, op.key(), tuple((t.dtype, t.dim()) for t in tensors))
+def compile_op(op, tensors: list[torch.Tensor]) -> Callable:
+    """Compile ``op`` for these tensors' dtypes, ranks and alignments (shapes stay dynamic), cached
+    in-process and on disk. The result is called as ``fn(*tensors, stream_handle)``."""
+    key = (type(op).__name__, op.key(), tuple((t.dtype, t.dim(), _alignment(t)) for t in tensors))
     fn = _COMPILED.get(key)
     if fn is None:
-        where = _cache_file(key, tensors)
+        where = _cache_file(key)
         fn = _load_cached(where) if where else None
         if fn is None:
-            import cuda.bindings.driver as cuda
             import cutlass.cute as cute
+            from cutlass.cute.runtime import make_fake_stream
 
-            fn = cute.compile(op, *[to_cute(t) for t in tensors], stream if stream is not None else cuda.CUstream(0))
+            # the stream is an argument, not TVM-FFI's environment stream: that one needs GPU tensors at
+            # compile time, and the CI compiles with CPU tensors
+            fn = cute.compile(op, *[to_cute(t) for t in tensors], make_fake_stream(), options="--enable-tvm-ffi")
             if where:
                 _store_cached(where, fn)
         _COMPILED[key] = fn
@@ -153,8 +155,7 @@ def compile_op(op, tensors: list[torch.Tensor], stream=None) -> Callable:
 
 def launch(op, tensors: list[torch.Tensor]) -> None:
     """Compile once (:func:`compile_op`), then launch on the current stream."""
-    stream = current_stream()
-    compile_op(op, tensors, stream)(*[to_cute(t) for t in tensors], stream)
+    compile_op(op, tensors)(*tensors, torch.cuda.current_stream().cuda_stream)
 
 
 def expect(cond: bool, msg: str) -> None:
