@@ -8,7 +8,10 @@ on the CPU is what an eager user waits for. Measured, on the GPU machine:
 * ``decode_attention_us``: one ``decode_attention`` call (64 heads, B = 1, CSA top-k 512, 10 splits +
   the combine kernel);
 * ``step_ms``: one ``Model.step`` of the tiny synthetic V4-Flash model (5 layers, dense NVFP4, Hopper
-  backend) at batch 1 and 8, with the number of kernel launches per step and the host time spent in them.
+  backend) at batch 1 and 8, every op eager, with the number of kernel launches per step and the host
+  time spent in them; ``step_graphs``: the same with each layer's FFN half replayed from a CUDA graph
+  (``Model.decode_graphs``, the default of ``load_model`` on the kernels path; the first step of a batch
+  size captures, and is among the timed steps only if it is the median).
 
 Host times are medians of ``perf_counter`` spans around calls that do not wait for the GPU (the GPU is
 synchronised every 20 calls so its queue stays short); a step synchronises before and after.
@@ -96,21 +99,25 @@ def decode_steps(res: dict, steps: int = 20) -> None:
         model = load_model(f"{d}/out", device="cuda")
         res["layers"] = len(model.layer_indices)
         gen = torch.Generator(device="cuda").manual_seed(0)
-        for b in (1, 8):
-            state = model.new_state(b)
-            model(torch.randint(0, model.config.vocab_size, (b, 8), device="cuda", generator=gen), state)
-            times = []
-            spent.update(n=0, s=0.0)
-            for _ in range(steps):
-                tok = torch.randint(0, model.config.vocab_size, (b,), device="cuda", generator=gen)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                model.step(tok, state)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            res[f"step_b{b}_ms"] = statistics.median(times) * 1e3
-            res[f"step_b{b}_launches"] = spent["n"] / steps
-            res[f"step_b{b}_launch_ms"] = spent["s"] / steps * 1e3
+        graphs = getattr(model, "decode_graphs", None)  # None where load_model uses none (or predates them)
+        for mode in ("eager", "graphs") if graphs is not None else ("eager",):
+            model.decode_graphs = graphs if mode == "graphs" else None
+            for b in (1, 8):
+                state = model.new_state(b)
+                model(torch.randint(0, model.config.vocab_size, (b, 8), device="cuda", generator=gen), state)
+                times = []
+                spent.update(n=0, s=0.0)
+                for _ in range(steps):
+                    tok = torch.randint(0, model.config.vocab_size, (b,), device="cuda", generator=gen)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    model.step(tok, state)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                name = f"step_b{b}" if mode == "eager" else f"step_graphs_b{b}"
+                res[f"{name}_ms"] = statistics.median(times) * 1e3
+                res[f"{name}_launches"] = spent["n"] / steps
+                res[f"{name}_launch_ms"] = spent["s"] / steps * 1e3
 
 
 def main() -> None:

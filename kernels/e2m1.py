@@ -49,18 +49,29 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
+_ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A module's constant table on ``device``, copied there once: a copy from host memory per call
+    would make every decode wait for the GPU."""
+    if table.device == device:
+        return table
+    key = (id(table), device)
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = table.to(device)
+    return _ON_DEVICE[key]
+
+
+_VALUES = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), dtype=torch.float32)
+
+
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, 0..15) -> float32 values (code 0x8 decodes to -0.0)."""
-    table = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), dtype=torch.float32)
-    return table.to(codes.device)[codes.long()]
+    return _on(_VALUES, codes.device)[codes.long()]
 
 
-def _byte_table() -> torch.Tensor:
-    values = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), dtype=torch.float32)
-    return torch.stack((values.repeat(16), values.repeat_interleave(16)), dim=1)  # byte -> (low, high)
-
-
-_BYTE_TABLE = _byte_table()
+_BYTE_TABLE = torch.stack((_VALUES.repeat(16), _VALUES.repeat_interleave(16)), dim=1)  # byte -> (low, high)
 
 
 def decode_e2m1_packed(packed: torch.Tensor) -> torch.Tensor:
@@ -70,7 +81,7 @@ def decode_e2m1_packed(packed: torch.Tensor) -> torch.Tensor:
     unpacked code tensor.
     """
     flat = packed.reshape(-1).view(torch.uint8).int()
-    table = _BYTE_TABLE.to(packed.device)
+    table = _on(_BYTE_TABLE, packed.device)
     return table.index_select(0, flat).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
@@ -83,6 +94,6 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     t = x.float().abs().mul_(4).clamp_(max=31).reshape(-1)
     lo = t.to(torch.int32)  # floor, t >= 0
     hi = t.ceil_().to(torch.int32)
-    by_floor, by_ceil = _BY_FLOOR.to(x.device), _BY_CEIL.to(x.device)
+    by_floor, by_ceil = _on(_BY_FLOOR, x.device), _on(_BY_CEIL, x.device)
     code = by_floor.index_select(0, lo).add_(by_ceil.index_select(0, hi)).reshape(x.shape)
     return code.bitwise_or_(torch.signbit(x).to(torch.uint8).bitwise_left_shift_(3))

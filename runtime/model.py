@@ -21,6 +21,7 @@ from .hopper import HopperBackend, hopper_available
 from .checkpoint import Checkpoint
 from .distributed import ExpertParallelBackend, resolve_world
 from .config import ModelConfig
+from .decode_graphs import DecodeGraphs
 from .rope import inv_freq
 from .state import CompressorState, DecodeState, LayerState
 from .weights import CompressorWeights, LayerWeights, ModelWeights, WeightLoader
@@ -38,6 +39,9 @@ class Model:
         self.device = torch.device(device)
         self.checkpoint = checkpoint
         self.world = None  # a distributed.World when load_model(..., world=...) split the experts
+        # one-token forwards replay each layer's FFN half from a CUDA graph (load_model sets this on the
+        # Hopper kernels path; None: every op eager)
+        self.decode_graphs: DecodeGraphs | None = None
         self._freq_main = inv_freq(config.main_rope).to(self.device)
         self._freq_compress = inv_freq(config.compress_rope).to(self.device)
 
@@ -87,8 +91,14 @@ class Model:
         positions = torch.arange(state.position, state.position + t, device=self.device)
         x = F.embedding(input_ids, w.embed).float()
         streams = x.unsqueeze(2).expand(b, t, cfg.hc_mult, cfg.hidden_size)
+        graphs = self.decode_graphs if t == 1 else None
         for i in self.layer_indices:
-            streams = self._layer(w.layers[i], streams, positions, input_ids, state.layers[i])
+            lw = w.layers[i]
+            streams = self._attention_half(lw, streams, positions, state.position, state.layers[i])
+            if graphs is None:
+                streams = self._ffn_half(lw, streams, input_ids)
+            else:
+                streams = graphs.run((i, b), lambda s, ids, lw=lw: self._ffn_half(lw, s, ids), streams, input_ids)
         state.position += t
         h = be.hc_head(streams, w.hc_head.fn, w.hc_head.base, w.hc_head.scale,
                        hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
@@ -102,17 +112,26 @@ class Model:
         return self.forward(token_ids.reshape(-1, 1), state)[:, 0]
 
     # -- blocks -----------------------------------------------------------------------------------
-    def _layer(self, lw: LayerWeights, streams, positions, input_ids, st: LayerState):
+    def _hc_kw(self) -> dict:
+        cfg = self.config
+        return dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+
+    def _attention_half(self, lw: LayerWeights, streams, positions, start: int, st: LayerState):
         be, cfg = self.backend, self.config
-        kw = dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-        x, post, comb = be.hc_pre(streams, lw.hc_attn.fn, lw.hc_attn.base, lw.hc_attn.scale, **kw)
-        out = self._attention(lw, be.rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), positions, st)
-        streams = be.hc_post(out, streams, post, comb)
-        x, post, comb = be.hc_pre(streams, lw.hc_ffn.fn, lw.hc_ffn.base, lw.hc_ffn.scale, **kw)
+        x, post, comb = be.hc_pre(streams, lw.hc_attn.fn, lw.hc_attn.base, lw.hc_attn.scale, **self._hc_kw())
+        out = self._attention(lw, be.rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), positions, start, st)
+        return be.hc_post(out, streams, post, comb)
+
+    def _ffn_half(self, lw: LayerWeights, streams, input_ids):
+        """mHC, norm, MoE, mHC: no decode state, shapes set by the batch alone (capturable for decode)."""
+        be, cfg = self.backend, self.config
+        x, post, comb = be.hc_pre(streams, lw.hc_ffn.fn, lw.hc_ffn.base, lw.hc_ffn.scale, **self._hc_kw())
         out = self._moe(lw, be.rms_norm(x, lw.ffn_norm, cfg.rms_norm_eps), input_ids)
         return be.hc_post(out, streams, post, comb)
 
-    def _attention(self, lw: LayerWeights, h, positions, st: LayerState):
+    def _attention(self, lw: LayerWeights, h, positions, start: int, st: LayerState):
+        """``positions`` [T] on the device; ``start`` = positions[0] on the host (reading it back would
+        wait for the GPU in every layer)."""
         be, cfg, a = self.backend, self.config, lw.attn
         b, t, _ = h.shape
         eps, ratio = cfg.rms_norm_eps, a.compress_ratio
@@ -124,19 +143,19 @@ class Model:
         kv = be.apply_rope(be.rms_norm(be.linear(h, a.wkv), a.kv_norm, eps), cos, sin)  # [B, T, D]
 
         if t == 1:
-            out = self._decode_attention(a, h, qr, q, kv, positions, st, freq, cos, sin)
+            out = self._decode_attention(a, h, qr, q, kv, start, st, freq, cos, sin)
         else:
-            out = self._prefill_attention(a, h, qr, q, kv, positions, st, freq, cos, sin)
+            out = self._prefill_attention(a, h, qr, q, kv, positions, start, st, freq, cos, sin)
         out = be.apply_rope(out, cos[:, None], sin[:, None], inverse=True)
         out = be.grouped_linear(out.reshape(b, t, cfg.o_groups, -1), a.wo_a, cfg.o_groups)
         return be.linear(out.flatten(2), a.wo_b)
 
-    def _prefill_attention(self, a, h, qr, q, kv, positions, st: LayerState, freq, cos, sin):
+    def _prefill_attention(self, a, h, qr, q, kv, positions, pos0: int, st: LayerState, freq, cos, sin):
         """A chunk of T tokens: dense logits over (ring + chunk) keys and compressed entries, masked."""
         be, cfg = self.backend, self.config
         b, t = q.shape[:2]
         # Sliding window: the ring holds positions [pos0 - W, pos0); query p sees keys (p - W, p].
-        window, pos0 = cfg.sliding_window, int(positions[0])
+        window = cfg.sliding_window
         past_pos = torch.arange(max(0, pos0 - window + 1), pos0, device=h.device)
         keys = torch.cat((st.window[:, past_pos % window].to(kv.dtype), kv), dim=1)
         dist = positions[:, None] - torch.cat((past_pos, positions))[None, :]
@@ -163,10 +182,10 @@ class Model:
             bias = torch.cat((bias, entry_bias), dim=-1)
         return be.sink_attention(q, keys, bias, a.sink, cfg.head_dim ** -0.5)   # [B, T, H, D]
 
-    def _decode_attention(self, a, h, qr, q, kv, positions, st: LayerState, freq, cos, sin):
+    def _decode_attention(self, a, h, qr, q, kv, pos: int, st: LayerState, freq, cos, sin):
         """One token: write it into the ring, then attend over the ring and the entries (decode-kernel operands)."""
         be, cfg = self.backend, self.config
-        b, pos, window = q.shape[0], int(positions[0]), cfg.sliding_window
+        b, window = q.shape[0], cfg.sliding_window
         st.window[:, pos % window] = kv[:, 0]
         window_len = torch.full((b,), min(pos + 1, window), dtype=torch.int32, device=h.device)
         entries = indices = None
@@ -253,5 +272,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", layers: lis
     model = Model(config, weights, backend=backend, device=device, checkpoint=ckpt)
     model.world = world
     if warm:
+        if world is None:  # collectives inside a captured block are not set up for graphs here
+            model.decode_graphs = DecodeGraphs()
         inner.warmup(model)
     return model

@@ -103,6 +103,7 @@ def test_logits_with_kernels_match_reference_path(converted, variant, dense):
     """
     out = converted(variant, dense)
     fast = load_model(out, device="cuda")
+    fast.decode_graphs = None  # replays run no Python: SharedRouting must see every router call
     slow = load_model(out, device="cuda", backend=ReferenceBackend())
     routing = SharedRouting(fast, slow)
     ids = torch.randint(0, fast.config.vocab_size, (1, 160), generator=torch.Generator().manual_seed(3)).cuda()
@@ -116,6 +117,54 @@ def test_logits_with_kernels_match_reference_path(converted, variant, dense):
           f"differ in {routing.flips - before} of these steps' router calls, {routing.flips} of {routing.calls} in all")
     assert routing.calls > 0 and not routing.pending
     assert max(errs) < 1e-2
+
+
+@pytest.mark.parametrize("variant", ["flash", "modelopt"])
+def test_decode_steps_from_cuda_graphs_match_eager_steps(converted, variant):
+    """load_model on the kernels path replays each layer's FFN half from a CUDA graph in decode steps
+    (captured per layer and batch); the logits equal those of the same steps run eagerly (up to the
+    order of the MoE's atomic sums), across steps where compressed entries are emitted (CSA every 4
+    tokens) and with hash-routed layers (the flash variant's first layers)."""
+    model = load_model(converted(variant, "nvfp4"), device="cuda")
+    graphs = model.decode_graphs
+    assert graphs is not None
+    gen = torch.Generator().manual_seed(5)
+    b = 3
+    prompt = torch.randint(0, model.config.vocab_size, (b, 11), generator=gen).cuda()
+    toks = torch.randint(0, model.config.vocab_size, (b, 9), generator=gen).cuda()
+    s_graph, s_eager = model.new_state(b), model.new_state(b)
+    model(prompt, s_graph)
+    model(prompt, s_eager)
+    before = graphs.replays
+    errs = []
+    for i in range(toks.shape[1]):
+        got = model.step(toks[:, i], s_graph).clone()
+        model.decode_graphs = None
+        want = model.step(toks[:, i], s_eager)
+        model.decode_graphs = graphs
+        assert torch.isfinite(got).all()
+        errs.append(rel(got, want))
+    layers = len(model.layer_indices)
+    assert graphs.replays - before == (toks.shape[1] - 1) * layers  # first step captured, the others replayed
+    assert max(errs) < 1e-4, errs
+
+
+def test_decode_steps_do_not_wait_for_the_gpu(converted):
+    """No op of a decode step reads a device value back (each such read stalls the host until the GPU has
+    caught up, in every layer): CUDA's sync check raises on any, over steps that emit compressed entries."""
+    model = load_model(converted("flash", "nvfp4"), device="cuda")
+    state = model.new_state(2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(6)).cuda()
+    model(ids[:, :9], state)
+    model.step(ids[:, 9], state)  # captures this batch size's graphs (allocations, no reads)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(10, 20):
+            logits = model.step(ids[:, i], state)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(logits).all()
 
 
 def _nvfp4_linear(n: int, k: int, seed: int) -> Nvfp4Linear:
