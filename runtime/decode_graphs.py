@@ -28,11 +28,12 @@ class DecodeGraphs:
     """Capture-once, replay-after cache of CUDA graphs keyed by the caller (``(layer, batch)``).
 
     :meth:`run` computes ``fn(*inputs)`` (CUDA tensors in, one tensor out). The first call for a key
-    runs ``fn`` eagerly, which also compiles and allocates whatever it needs, then captures it; later
-    calls copy the inputs into the graph's buffers and replay it. A block that cannot be captured (a
-    host sync in a fallback path, say) stays eager (the first such block warns). The output of a replay is the
-    graph's own buffer: it is overwritten by the next replay of that key, so consume it first (the
-    decode step does: the next layer reads it before the next step).
+    runs ``fn`` eagerly, which also compiles and allocates whatever it needs (so no lazily made
+    workspace lands in a graph's private memory), then captures it; later calls copy the inputs into
+    the graph's buffers and replay it. A block that cannot be captured (a host sync in a fallback
+    path, say) stays eager; the first such block warns. The output of a replay is the graph's own
+    buffer: the next replay of that key overwrites it, so consume it first (the decode step does: the
+    next layer reads it before the next step).
     """
 
     def __init__(self) -> None:
