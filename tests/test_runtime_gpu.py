@@ -124,7 +124,7 @@ def test_decode_steps_from_cuda_graphs_match_eager_steps(converted, variant):
     """load_model on the kernels path replays each layer's FFN half from a CUDA graph in decode steps
     (captured per layer and batch); the logits equal those of the same steps run eagerly (up to the
     order of the MoE's atomic sums), across steps where compressed entries are emitted (CSA every 4
-    tokens) and with hash-routed layers (the flash variant's first layers)."""
+    tokens) and through the hash-routed first layer."""
     model = load_model(converted(variant, "nvfp4"), device="cuda")
     graphs = model.decode_graphs
     assert graphs is not None
