@@ -57,8 +57,8 @@ class DecodeGraphs:
 
     def _capture(self, key: Hashable, fn: Callable[..., torch.Tensor], inputs: tuple) -> _Captured | None:
         static = [torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x) for x in inputs]
-        graph = torch.cuda.CUDAGraph()
         try:
+            graph = torch.cuda.CUDAGraph()  # raises where torch has no CUDA
             with torch.cuda.graph(graph):
                 out = fn(*static)
         except RuntimeError as exc:
