@@ -30,6 +30,14 @@ def _sigmoid(x: Float32) -> Float32:
     return Float32(1.0) / (Float32(1.0) + _exp(-x))
 
 
+def _sum(values: list) -> Float32:
+    """Left to right, as the unrolled code adds them."""
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total
+
+
 class Sm90HcWeights:
     """``hc_weights`` for one (hc, iters, hc_eps); one thread per token.
 
@@ -73,9 +81,7 @@ class Sm90HcWeights:
             for j in range(1, hc):
                 mx = cute.arch.fmax(mx, row[j])
             e = [_exp(v - mx) for v in row]
-            total = e[0]
-            for j in range(1, hc):
-                total = total + e[j]
+            total = _sum(e)
             comb.append([v / total + eps for v in e])
         comb = self.normalise_columns(comb)
         for _ in range(self.iters - 1):
@@ -89,21 +95,14 @@ class Sm90HcWeights:
         eps = Float32(self.eps)
         out = []
         for row in c:
-            total = row[0]
-            for v in row[1:]:
-                total = total + v
+            total = _sum(row)
             out.append([v / (total + eps) for v in row])
         return out
 
     def normalise_columns(self, c: list) -> list:
         eps = Float32(self.eps)
         hc = self.hc
-        dens = []
-        for j in range(hc):
-            total = c[0][j]
-            for i in range(1, hc):
-                total = total + c[i][j]
-            dens.append(total + eps)
+        dens = [_sum([row[j] for row in c]) + eps for j in range(hc)]
         return [[c[i][j] / dens[j] for j in range(hc)] for i in range(hc)]
 
 
