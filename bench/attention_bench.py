@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_timing import ColdTimer, capture, measure_copy  # noqa: E402
+from gpu_timing import ColdTimer, measure_copy, time_into  # noqa: E402
 
 MODELS = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}
 BATCHES = (1, 8, 32, 128)
@@ -63,16 +63,6 @@ def make_inputs(b: int, h: int, kind: str, ctx: int, top_k: int, gen: torch.Gene
         idx = None
         entries = n
     return dict(q=q, kvw=kvw, wlen=wlen, kvc=kvc, idx=idx, sink=sink, entries=entries)
-
-
-def _time_into(row: dict, name: str, fn, timer: ColdTimer, reps: int) -> None:
-    """``row[name + "_us"]``: median graph replay of ``fn``; or ``row[name + "_error"]`` if it cannot run."""
-    try:
-        g = capture(fn)
-        row[f"{name}_us"] = timer.time(g, reps)
-        del g
-    except Exception as e:  # noqa: BLE001 - reported in the row, the run goes on
-        row[f"{name}_error"] = repr(e)[:300]
 
 
 def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
@@ -103,15 +93,15 @@ def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
                     row = dict(model=model, heads=h, batch=b, context=ctx, kind=kind, entries=WINDOW + x["entries"],
                                bytes=nbytes, floor_us=nbytes / copy_bw * 1e6,
                                splits=pick_splits(b, h, WINDOW + x["entries"], sms))
-                    _time_into(row, "ours", ours, timer, args.reps)
+                    time_into(row, "ours", ours, timer, args.reps)
                     for n_split in args.splits:  # other split counts than pick_splits', for the record
-                        _time_into(row, f"ours_s{n_split}", ours_with(splits=n_split), timer, args.reps)
+                        time_into(row, f"ours_s{n_split}", ours_with(splits=n_split), timer, args.reps)
                     variant_outs = {}
                     for name, tiling in args.variants.items():  # other kernel configurations, side by side
                         fn = ours_with(**tiling)
-                        _time_into(row, f"ours_{name}", fn, timer, args.reps)
+                        time_into(row, f"ours_{name}", fn, timer, args.reps)
                         variant_outs[name] = fn
-                    _time_into(row, "torch", torch_fn, timer, max(3, args.reps // 2))
+                    time_into(row, "torch", torch_fn, timer, max(3, args.reps // 2))
                     if "ours_us" in row and "o" in ref_out:
                         ours()
                         torch.cuda.synchronize()
@@ -156,7 +146,7 @@ def bench_indexer(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
                 if b * n * 64 * 4 <= (16 << 30):        # the torch [B, 64, N] float32 intermediate up to 16 GiB
                     fns["torch"] = lambda: topk_of_keys_torch(ordered_key(indexer_scores_torch(q, keys, w)), top_k)
                 for name, fn in fns.items():
-                    _time_into(row, name, fn, timer, max(3, args.reps // 2))
+                    time_into(row, name, fn, timer, max(3, args.reps // 2))
                 if "ours_us" in row:
                     row["frac_of_copy_bw"] = row["floor_us"] / row["ours_us"]
                     key = indexer_keys(q, keys, w)

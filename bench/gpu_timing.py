@@ -68,3 +68,13 @@ def capture(fn) -> torch.cuda.CUDAGraph:
         fn()
     torch.cuda.synchronize()
     return g
+
+
+def time_into(row: dict, name: str, fn, timer: ColdTimer, reps: int) -> None:
+    """``row[name + "_us"]``: median cold graph replay of ``fn``; or ``row[name + "_error"]`` if it cannot run."""
+    try:
+        g = capture(fn)
+        row[f"{name}_us"] = timer.time(g, reps)
+        del g
+    except Exception as e:  # noqa: BLE001 - reported in the row, the run goes on
+        row[f"{name}_error"] = repr(e)[:300]

@@ -1,7 +1,7 @@
 """Where the time of a batch-1 decode-attention step goes: fixed costs against tiny kernels.
 
-Every case is one CUDA-graph replay after a 512 MiB buffer rewrite (cold L2, the same ``ColdTimer``
-as ``attention_bench.py``), median of 25:
+Every case is one CUDA-graph replay after a 512 MiB buffer rewrite (cold L2, ``gpu_timing.time_into``
+as in ``attention_bench.py``), median of 25, written as ``<case>_us`` (``<case>_error`` if it cannot run):
 
 * ``tiny1/2/4``: 1, 2, 4 one-element torch kernels (the floor of a graph of that many launches);
 * ``copy1MB``: a 1 MiB torch device copy;
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_timing import ColdTimer, capture  # noqa: E402
+from gpu_timing import ColdTimer, time_into  # noqa: E402
 
 SCALE = 512 ** -0.5
 
@@ -44,11 +44,8 @@ def main() -> None:
     timer = ColdTimer()
 
     def time_case(name: str, fn) -> None:
-        try:
-            res[name] = timer.time(capture(fn), args.reps)
-        except Exception as exc:  # noqa: BLE001 - a case that cannot run is reported, the others go on
-            res[name] = repr(exc)[:200]
-        print(name, res[name], flush=True)
+        time_into(res, name, fn, timer, args.reps)
+        print(name, res.get(f"{name}_us", res.get(f"{name}_error")), flush=True)
 
     x = torch.zeros(4, dtype=torch.int32, device="cuda")
     time_case("tiny1", lambda: x.add_(1))
@@ -92,7 +89,7 @@ def main() -> None:
     o = torch.empty(1, h, device="cuda")
     time_case("moe_flash_t1", lambda: layer(xx, ids, wts, **w, out=o))
     with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "cold_us": res}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "cold": res}, f, indent=1)
 
 
 if __name__ == "__main__":
