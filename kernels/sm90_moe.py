@@ -6,12 +6,13 @@ workspaces are sized once for ``max_tokens``, so the call is CUDA-graph capturab
 1. ``Sm90MoeRouting``: pairs (token, slot) sorted by expert -> ``token_of``, ``weight_of``, tiles
    (skipped up to ``DIRECT_MAX_TOKENS`` tokens: each routed pair is a tile of its own, ``direct_top_k`` in
    ``sm90_moe_gemm``; one token's k pairs are k distinct experts, two tokens' mostly are);
-2. ``Sm90Nvfp4GroupedGemm(mode="swiglu")`` over ``w13``: ``h`` [pairs, I] BF16 in sorted order;
-   (its CTAs also zero ``out``, so no memset launch);
+2. ``Sm90Nvfp4GroupedGemm(mode="swiglu")`` over ``w13``: ``h`` [pairs, I] BF16 in sorted order, each
+   row in the K order step 3 reads (``k_order``; its CTAs also zero ``out``, so no memset launch);
 3. ``Sm90Nvfp4GroupedGemm(mode="scatter")`` over ``w2``: ``out[t] += w * (h @ W2.T)``.
 
 From ``WGMMA_MIN_MEAN`` routed pairs per expert on (prefill), steps 2 and 3 run the WGMMA kernels of
-``sm90_moe_wgmma`` instead (same operands and epilogues; ``tuning={"wgmma": True/False}`` forces a path).
+``sm90_moe_wgmma`` instead (same operands and epilogues; ``tuning={"wgmma": True/False}`` forces a path);
+they read activations in the ``"staged"`` K order, so ``x`` is first permuted into a workspace.
 
 Weights are format 1 as written by ``convert`` (``docs/format.md``); the contract of each operand is
 in ``sm90_moe_gemm``. Compiled kernels are cached in-process by their static configuration (and on
@@ -29,6 +30,7 @@ from .sm90_moe_gemm import Sm90Nvfp4GroupedGemm
 from .sm90_moe_routing import Sm90MoeRouting, max_tiles_for
 from .sm90_moe_wgmma import WGMMA_TILE_TOKENS, Sm90Nvfp4WgmmaGemm
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
+from .k_order import to_order
 from .swizzle import swizzled_nbytes
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)
@@ -104,6 +106,7 @@ class Sm90NvFp4MoE:
         self.tiles = torch.zeros(max_tiles_for(pairs, experts, TILE_TOKEN_CHOICES[0]), 3, dtype=torch.int32, device=dev)
         self.num_tiles = torch.zeros(1, dtype=torch.int32, device=dev)
         self.hbuf = torch.empty(pairs, intermediate, dtype=torch.bfloat16, device=dev)
+        self.xbuf = torch.empty(max_tokens, hidden, dtype=torch.bfloat16, device=dev)  # x in "staged" order
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
 
     def kernels(self, tile_tokens: int, wgmma: bool = False, row_tiles: int = 1, direct: bool = False
@@ -121,12 +124,12 @@ class Sm90NvFp4MoE:
         if wgmma:
             return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
                     Sm90Nvfp4WgmmaGemm(m=2 * self.i, k=self.h, mode="swiglu", tile_tokens=tile_tokens,
-                                       swiglu_limit=self.limit, **wg_extra),
+                                       swiglu_limit=self.limit, h_order="staged", **wg_extra),
                     Sm90Nvfp4WgmmaGemm(m=self.h, k=self.i, mode="scatter", tile_tokens=tile_tokens, **wg_extra))
         return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
                 Sm90Nvfp4GroupedGemm(m=2 * self.i, k=self.h, mode="swiglu", tile_tokens=tile_tokens,
-                                     swiglu_limit=self.limit, **{**tuning, **l1_extra}),
-                Sm90Nvfp4GroupedGemm(m=self.h, k=self.i, mode="scatter", tile_tokens=tile_tokens,
+                                     swiglu_limit=self.limit, h_order="lane", **{**tuning, **l1_extra}),
+                Sm90Nvfp4GroupedGemm(m=self.h, k=self.i, mode="scatter", tile_tokens=tile_tokens, b_order="lane",
                                      **{**tuning, **l2_extra}))
 
     def config(self, tokens: int) -> tuple[int, bool, int, bool]:
@@ -207,6 +210,8 @@ class Sm90NvFp4MoE:
             tiles, weight_of = self.tiles[:max_tiles_for(pairs, self.e, bn)], self.weight_of[:pairs]
             _launch(routing, [topk_ids.reshape(-1), topk_weights.reshape(-1), token_of, weight_of, tiles,
                               self.num_tiles, self.rank[:pairs]])
+        if wg:
+            x = to_order(x, "staged", out=self.xbuf[:t])
         _launch(l1, [w13, w13_scale, w13_alpha.reshape(-1), x, token_of, weight_of, tiles, self.num_tiles, hbuf,
                      out])  # zeroes out; alpha pairs flattened to [2E]
         _launch(l2, [w2, w2_scale, w2_alpha, hbuf, token_of, weight_of, tiles, self.num_tiles, out, out])

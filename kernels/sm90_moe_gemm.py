@@ -10,9 +10,10 @@ token already fills an MMA; the global scale ``alpha`` rides the epilogue in fp3
 K order. The sum over K is order-free, so each thread owns a contiguous run of K: in a 128-K tile,
 lane quad ``c = lane % 4`` owns logical k ``32c .. 32c+31`` (16 weight bytes, 64 activation bytes,
 two scale bytes). MMA step ``s = 2w + u`` (w = weight word, u = 0/1) pairs the fragment slots
-(2c, 2c+1, 2c+8, 2c+9) with logical k ``8w + (2u, 2u+4, 2u+1, 2u+5)``; the activations are
-permuted the same way in registers (one ``prmt`` per B register), so neither operand is repacked
-in memory: the kernel reads format 1 as written (``docs/format.md``).
+(2c, 2c+1, 2c+8, 2c+9) with logical k ``8w + (2u, 2u+4, 2u+1, 2u+5)``. The weights are read as
+format 1 writes them (``docs/format.md``); the activations either in logical order, permuted the
+same way in registers (one ``prmt`` per B register), or already stored in that order
+(``b_order="lane"``, ``k_order``), as the L1 epilogue writes ``h`` for L2 (``h_order``).
 
 Layout contract (format 1): ``w`` uint8 [E, M, K/2] (low nibble = even k), ``s`` uint8
 [E, swz(M, K/16)] (128x4 swizzle, ``kernels/swizzle.py``), ``alpha`` f32 [E] (L1: the [E, 2]
@@ -25,7 +26,8 @@ list (built on the GPU by ``sm90_moe_routing``), ``num_tiles`` int32 [1]; grid =
 max_tiles); CTAs past ``num_tiles`` exit at once. Dense mode (one group) tiles the tokens itself.
 
 Epilogues (``mode``):
-* ``"swiglu"``: ``h[p, j] = bf16(silu(min(g, L)) * clamp(u, -L, L))`` for sorted pair p, with
+* ``"swiglu"``: ``h[p, j] = bf16(silu(min(g, L)) * clamp(u, -L, L))`` for sorted pair p (row p of ``h``
+  in ``h_order``, the K order the L2 kernel reads), with
   ``g, u = alpha[e, 0] * acc_r, alpha[e, 1] * acc_{r+8}`` (a thread's rows r and r+8 are a
   gate row and its up row thanks to the interleave); B rows are gathered as ``x[token_of[p]]``.
 * ``"scatter"``: ``out[token_of[p], r] += alpha * weight[p] * acc`` (fp32 ``red.add``; ``out``
@@ -41,6 +43,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from . import k_order
 from . import sm90_ptx as ptx
 from .swizzle import swizzled_nbytes
 
@@ -75,12 +78,15 @@ class Sm90Nvfp4GroupedGemm:
             ``num_tiles`` unused). For one token, whose k pairs go to k distinct experts, this reads
             each expert once, like the sorted tiles, and saves the routing launch; an expert repeated
             across tokens is read once per pair (the repeats mostly from L2).
+        b_order: K order of the activation rows, ``"logical"`` or ``"lane"`` (``k_order``).
+        h_order: ``"swiglu"``: K order ``h`` is written in (``k_order.ORDERS``).
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
                  warps: int = 4, row_tiles: int = 1, depth: int = 4, b_depth: int | None = None,
                  split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
-                 pdl_prefetch: bool = False, direct_top_k: int = 0):
+                 pdl_prefetch: bool = False, direct_top_k: int = 0, b_order: str = "logical",
+                 h_order: str = "logical"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -100,6 +106,10 @@ class Sm90Nvfp4GroupedGemm:
             raise ValueError(f"K={k} must be a multiple of {K_TILE}")
         self.swiglu_limit = swiglu_limit
         self.out_bf16 = out_bf16
+        if b_order not in ("logical", "lane") or h_order not in k_order.ORDERS:
+            raise ValueError(f"b_order must be 'logical' or 'lane' and h_order one of {k_order.ORDERS}, "
+                             f"got {b_order!r}, {h_order!r}")
+        self.b_order, self.h_order = b_order, h_order
         if l2_prefetch not in ptx.L2_PREFETCH_BYTES:
             raise ValueError(f"l2_prefetch must be one of {ptx.L2_PREFETCH_BYTES}, got {l2_prefetch}")
         self.l2_prefetch = l2_prefetch
@@ -119,7 +129,7 @@ class Sm90Nvfp4GroupedGemm:
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
                 self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
-                self.direct_top_k)
+                self.direct_top_k, self.b_order, self.h_order)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -313,14 +323,21 @@ class Sm90Nvfp4GroupedGemm:
                     a2 = a[0, w, 2 * u + 1]
                     a3 = a[1, w, 2 * u + 1]
                     for nb in cutlass.range_constexpr(self.nb):
-                        x_lo = xw[nb, 4 * w + u]
-                        x_hi = xw[nb, 4 * w + u + 2]
-                        b0 = ptx.prmt(x_lo, x_hi, 0x5410)
-                        b1 = ptx.prmt(x_lo, x_hi, 0x7632)
+                        b0, b1 = self.b_pair(xw, nb, 2 * w + u)
                         d = ptx.mma_bf16_16816(a0, a1, a2, a3, b0, b1, acc[mt, nb, 0], acc[mt, nb, 1],
                                                acc[mt, nb, 2], acc[mt, nb, 3])
                         for i in cutlass.range_constexpr(4):
                             acc[mt, nb, i] = d[i]
+
+    def b_pair(self, xw: cute.Tensor, nb: int, step: int) -> tuple[Int32, Int32]:
+        """The B registers (k, k + 4), (k + 1, k + 5) of MMA step ``step`` from a lane's 16 activation words."""
+        w, u = step // 2, step % 2
+        if self.b_order == "lane":
+            b0, b1 = xw[nb, 4 * w + 2 * u], xw[nb, 4 * w + 2 * u + 1]
+        else:
+            x_lo, x_hi = xw[nb, 4 * w + u], xw[nb, 4 * w + u + 2]
+            b0, b1 = ptx.prmt(x_lo, x_hi, 0x5410), ptx.prmt(x_lo, x_hi, 0x7632)
+        return b0, b1
 
     @cute.jit
     def epilogue(self, acc: cute.Tensor, mAlpha: cute.Tensor, mTok: cute.Tensor, mRW: cute.Tensor,
@@ -348,7 +365,7 @@ class Sm90Nvfp4GroupedGemm:
                                 gate = cute.arch.fmin(gate, lim)
                                 up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
                             hval = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
-                            j = (row_base + mt * 16) // 2 + g
+                            j = k_order.position((row_base + mt * 16) // 2 + g, self.h_order)
                             addr = out_base + (Int64(p) * (self.m // 2) + Int64(j)) * 2
                             ptx.st_global_b16(addr, ptx.f32x2_to_bf16x2(hval, hval))
                         elif const_expr(self.mode == "scatter"):

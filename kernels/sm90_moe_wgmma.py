@@ -7,19 +7,19 @@ Same operands, work tiles, epilogues and call signature as :class:`Sm90Nvfp4Grou
   register fragment of ``wgmma ... m64nNk16`` with A in registers is, per warp, the m16n8k16 A
   fragment), streamed through the same per-thread register pipeline (``depth`` k-tiles ahead);
 * B = ``tile_tokens`` (N) activation rows staged in shared memory, K-major, 128-byte swizzle, in a
-  ring of 3 stages of one 128-K tile each, and read by the tensor cores through a matrix descriptor;
+  ring of ``stages`` tiles of 128 K each, and read by the tensor cores through a matrix descriptor;
   a CTA is ``warpgroups`` x 64 weight rows, so each staged tile feeds 64 * warpgroups rows.
 * K order: the weights keep their per-thread K permutation (a lane quad owns a contiguous 32-K run,
-  see ``sm90_moe_gemm``); the activations are permuted to match while they are staged (16-byte
-  global loads, ``prmt`` to pairs (k, k+4), 4-byte shared stores), so neither operand is repacked in
-  memory. Column ``16 s + 8 hi + 2 c + e`` of a staged 128-K tile holds logical
+  see ``sm90_moe_gemm``); the activation rows arrive already in the matching order (``"staged"``,
+  ``k_order``: the host permutes ``x`` for L1, the L1 epilogue writes ``h`` so for L2), so a staged
+  tile is a straight ``cp.async`` copy, 16 bytes per thread and row, no registers on the way.
+  Column ``16 s + 8 hi + 2 c + e`` of a staged 128-K tile holds logical
   k = ``32 c + 8 (s // 2) + 2 (s % 2) + hi + 4 e``.
 
-Per k-tile kt: issue the global loads of B(kt + 1) into registers, decode A(kt), ``wgmma.fence``,
-8 ``wgmma`` (k16 steps) on stage kt % 3, commit, ``wait_group 1`` (so kt - 1 is done and its A
-registers free), store B(kt + 1) into stage (kt + 1) % 3 (last read by kt - 2, done in every
-warpgroup before the previous barrier), proxy fence, barrier. The MMAs of kt run while A(kt + 1) is
-decoded and B(kt + 2) loaded.
+Per k-tile kt: wait for the copies of B(kt), proxy fence, barrier (so every warpgroup is past
+``wait_group 1`` of kt - 1: B(kt - 2)'s stage is free), issue the copies of B(kt + stages - 2) into it,
+decode A(kt), ``wgmma.fence``, 8 ``wgmma`` (k16 steps) on stage kt % stages, commit, ``wait_group 1``.
+The MMAs of kt run while A(kt + 1) is decoded; activations land ``stages - 2`` tiles ahead.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import cutlass.cute as cute
 import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import Float32, Int32, Int64, const_expr
 
+from . import k_order
 from . import sm90_ptx as ptx
 from .sm90_moe_gemm import K_TILE, Sm90Nvfp4GroupedGemm
 
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
-STAGES = 3
 
 
 class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
@@ -44,10 +44,13 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         tile_tokens: N, tokens per work item: 16 .. 256, a multiple of 16.
         warpgroups: warpgroups per CTA (each owns 64 weight rows).
         l2_prefetch: bytes the L2 fetches around each weight load (``sm90_ptx.ld_global_v4``).
+        stages: staged activation tiles (>= 3; ``stages - 2`` in flight ahead of the MMAs).
+        h_order: ``"swiglu"``: K order ``h`` is written in (``"staged"`` for an L2 of this kernel).
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 128, swiglu_limit: float | None = None,
-                 warpgroups: int = 2, depth: int | None = None, l2_prefetch: int = 0, **_ignored):
+                 warpgroups: int = 2, depth: int | None = None, l2_prefetch: int = 0, stages: int = 4,
+                 h_order: str = "staged", **_ignored):
         if mode not in ("swiglu", "scatter"):
             raise ValueError(f"the wgmma GEMM has modes swiglu/scatter, got {mode!r}")
         if tile_tokens % 16 or not 16 <= tile_tokens <= 256:
@@ -72,6 +75,12 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         if (self.bn * 16) % self.threads:
             raise ValueError(f"tile_tokens * 16 must be a multiple of {self.threads} threads")
         self.n_ld = self.bn * 16 // self.threads  # 16-byte activation chunks per thread per k-tile
+        if stages < 3:
+            raise ValueError(f"stages must be at least 3, got {stages}")
+        if h_order not in k_order.ORDERS:
+            raise ValueError(f"h_order must be one of {k_order.ORDERS}, got {h_order!r}")
+        self.stages, self.h_order = stages, h_order
+        self.b_order = "staged"
         self.swiglu_limit = swiglu_limit
         self.out_bf16 = False
         self.direct_top_k = 0            # prefill only: the routing kernel always runs
@@ -88,7 +97,8 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         self.stage_bytes = 2 * self.region   # one 128-K tile
 
     def key(self) -> tuple:
-        return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth, self.l2_prefetch)
+        return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth, self.l2_prefetch,
+                self.stages, self.h_order)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -96,7 +106,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                  mOut: cute.Tensor, mZero: cute.Tensor, stream):
         self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
             grid=[self.m // self.bm, mTiles.shape[0], 1], block=[self.threads, 1, 1],
-            smem=STAGES * self.stage_bytes + 2048, stream=stream)
+            smem=self.stages * self.stage_bytes + 2048, stream=stream)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -107,7 +117,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         if const_expr(self.mode == "swiglu"):
             self.zero_output(mZero, bx, by, tidx)
         smem = cutlass.memory.SmemAllocator()
-        sbuf = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(STAGES * self.stage_bytes + 1024), 1024)
+        sbuf = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.stages * self.stage_bytes + 1024), 1024)
         if by < mNumTiles[0]:
             expert = mTiles[by, 0]
             begin = mTiles[by, 1]
@@ -138,29 +148,26 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
             s_addr[0, h] = s_base + Int64((wr // 128) * (self.kb4 * 512) + (wr % 32) * 16 + ((wr // 32) % 4) * 4)
 
         # --- activation staging: this thread's 16-byte chunks (fixed column chunk, rows n0 + 16 i * wgs) ---
-        q16 = tidx % 16          # chunk of a 256-byte (128-K) row: logical k 8 q16 .. 8 q16 + 7
-        cq = q16 // 4
-        wq = q16 % 4
+        q16 = tidx % 16          # chunk of a 256-byte (128-K) row: columns 8 q16 .. 8 q16 + 7 of the staged tile
         n0 = tidx // 16
         n8 = n0 % 8              # swizzle phase (the same for all of this thread's rows)
         x_addr = cute.make_rmem_tensor((self.n_ld,), Int64)
+        x_bytes = cute.make_rmem_tensor((self.n_ld,), Int32)  # 0 past the tile's tokens: zero-filled, not read
         x_base = mX.iterator.toint() + Int64(q16 * 16)
         for i in cutlass.range_constexpr(self.n_ld):
             n = n0 + i * (self.threads // 16)
             t = n
+            x_bytes[i] = Int32(16)
             if t > cnt - 1:
                 t = cnt - 1
+                x_bytes[i] = Int32(0)
             brow = begin + t
             if const_expr(self.mode == "swiglu"):
                 brow = self.token_of(mTok, brow)
             x_addr[i] = x_base + Int64(brow) * (k * 2)
         s_smem = (Int32(sbuf.iterator.toint()) + 1023) & Int32(-1024)  # swizzle atoms need 1024-byte alignment
-        # byte offset in a stage of pair (u, hi) of chunk i: half wq // 2, row n, 16-byte chunk j ^ n8, word cq
-        st_off = cute.make_rmem_tensor((4,), Int32)
-        for u in cutlass.range_constexpr(2):
-            for hi in cutlass.range_constexpr(2):
-                j = 4 * (wq % 2) + 2 * u + hi
-                st_off[2 * u + hi] = (wq // 2) * self.region + (n0 // 8) * 1024 + n8 * 128 + ((j ^ n8) * 16) + cq * 4
+        # byte offset in a stage of this thread's chunk of row n0: half q16 // 8, row n0, 16-byte chunk (q16 % 8) ^ n8
+        st_off = (q16 // 8) * self.region + (n0 // 8) * 1024 + n8 * 128 + (((q16 % 8) ^ n8) * 16)
 
         D = self.depth
         n_kt = self.n_kt
@@ -170,9 +177,11 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         acc.fill(0.0)
         for d in cutlass.range_constexpr(D):
             self.load_a(wbuf, sbufr, a_addr, s_addr, d, d)
-        self.stage_b(x_addr, s_smem, st_off, 0, 0)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier()
+        S = self.stages
+        for st in cutlass.range_constexpr(S - 2):
+            if st < n_kt:
+                self.stage_b(x_addr, x_bytes, s_smem + st * self.stage_bytes, st_off, st)
+            cute.arch.cp_async_commit_group()
 
         for kto in cutlass.range(0, n_kt, D, unroll=1):
             for d in cutlass.range_constexpr(D):
@@ -187,11 +196,13 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                 if nxt > n_kt - 1:
                     nxt = n_kt - 1
                 self.load_a(wbuf, sbufr, a_addr, s_addr, d, nxt)
-                # activations of k-tile kt + 1 (clamped: the last pass re-reads a cached tile into a free stage)
-                nb1 = kt + 1
-                if nb1 > n_kt - 1:
-                    nb1 = n_kt - 1
-                xv = self.load_b_regs(x_addr, nb1)
+                cute.arch.cp_async_wait_group(S - 3)      # this thread's copies of B(kt) landed
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier()                        # ... everyone's; and B(kt - 2)'s stage is free
+                ahead = kt + S - 2
+                if ahead < n_kt:
+                    self.stage_b(x_addr, x_bytes, s_smem + (ahead % S) * self.stage_bytes, st_off, ahead)
+                cute.arch.cp_async_commit_group()
                 # decoded A: a[h, w, j] = (v_j, v_{j+4}) of word w of row g + 8 h, times its block scale
                 a = cute.make_rmem_tensor((2, 4, 4), Int32)
                 for h in cutlass.range_constexpr(2):
@@ -200,7 +211,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                         dec = ptx.decode_e2m1x8(cw[0, h, w])
                         for j in cutlass.range_constexpr(4):
                             a[h, w, j] = ptx.mul_bf16x2(dec[j], s01[w // 2])
-                stage = s_smem + (kt % STAGES) * self.stage_bytes
+                stage = s_smem + (kt % S) * self.stage_bytes
                 warpgroup.fence()
                 for w in cutlass.range_constexpr(4):
                     for u in cutlass.range_constexpr(2):
@@ -213,9 +224,6 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                             acc[i] = vals[i]
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)
-                self.store_b(xv, s_smem, st_off, (kt + 1) % STAGES)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier()
 
         warpgroup.wait_group(0)
         vals = ptx.fence_operands([acc[i] for i in range(self.bn // 2)])
@@ -226,24 +234,9 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         self.epilogue(acc4, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
 
     @cute.jit
-    def stage_b(self, x_addr: cute.Tensor, s_smem: Int32, st_off: cute.Tensor, stage: Int32, kt: Int32):
-        self.store_b(self.load_b_regs(x_addr, kt), s_smem, st_off, stage)
-
-    @cute.jit
-    def load_b_regs(self, x_addr: cute.Tensor, kt: Int32) -> cute.Tensor:
-        vals = cute.make_rmem_tensor((self.n_ld, 4), Int32)
+    def stage_b(self, x_addr: cute.Tensor, x_bytes: cute.Tensor, stage: Int32, st_off: Int32, kt: Int32):
+        """``cp.async`` this thread's 16-byte chunks of k-tile ``kt`` into the stage at shared address ``stage``
+        (rows past the tile's tokens are zero-filled: their output columns are never stored)."""
         for i in cutlass.range_constexpr(self.n_ld):
-            v = ptx.ld_global_v4_keep(x_addr[i] + Int64(kt * 256))
-            for q in cutlass.range_constexpr(4):
-                vals[i, q] = v[q]
-        return vals
-
-    @cute.jit
-    def store_b(self, vals: cute.Tensor, s_smem: Int32, st_off: cute.Tensor, stage: Int32):
-        base = s_smem + stage * self.stage_bytes
-        for i in cutlass.range_constexpr(self.n_ld):
-            row = base + i * (self.threads // 16) // 8 * 1024
-            ptx.st_shared_b32(row + st_off[0], ptx.prmt(vals[i, 0], vals[i, 2], 0x5410))
-            ptx.st_shared_b32(row + st_off[1], ptx.prmt(vals[i, 0], vals[i, 2], 0x7632))
-            ptx.st_shared_b32(row + st_off[2], ptx.prmt(vals[i, 1], vals[i, 3], 0x5410))
-            ptx.st_shared_b32(row + st_off[3], ptx.prmt(vals[i, 1], vals[i, 3], 0x7632))
+            ptx.cp_async_16(stage + st_off + i * (self.threads // 16) // 8 * 1024, x_addr[i] + Int64(kt * 256),
+                            x_bytes[i])
