@@ -46,11 +46,12 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         l2_prefetch: bytes the L2 fetches around each weight load (``sm90_ptx.ld_global_v4``).
         stages: staged activation tiles (>= 3; ``stages - 2`` in flight ahead of the MMAs).
         h_order: ``"swiglu"``: K order ``h`` is written in (``"staged"`` for an L2 of this kernel).
+        min_ctas: CTAs that must fit on one SM (``ptxas`` caps the registers to match; 1: no cap).
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 128, swiglu_limit: float | None = None,
                  warpgroups: int = 2, depth: int | None = None, l2_prefetch: int = 0, stages: int = 4,
-                 h_order: str = "staged", **_ignored):
+                 h_order: str = "staged", min_ctas: int = 1, **_ignored):
         if mode not in ("swiglu", "scatter"):
             raise ValueError(f"the wgmma GEMM has modes swiglu/scatter, got {mode!r}")
         if tile_tokens % 16 or not 16 <= tile_tokens <= 256:
@@ -80,6 +81,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         if h_order not in k_order.ORDERS:
             raise ValueError(f"h_order must be one of {k_order.ORDERS}, got {h_order!r}")
         self.stages, self.h_order = stages, h_order
+        self.min_ctas = min_ctas
         self.b_order = "staged"
         self.swiglu_limit = swiglu_limit
         self.out_bf16 = False
@@ -98,7 +100,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
 
     def key(self) -> tuple:
         return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth, self.l2_prefetch,
-                self.stages, self.h_order)
+                self.stages, self.h_order, self.min_ctas)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -106,7 +108,8 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                  mOut: cute.Tensor, mZero: cute.Tensor, stream):
         self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
             grid=[self.m // self.bm, mTiles.shape[0], 1], block=[self.threads, 1, 1],
-            smem=self.stages * self.stage_bytes + 2048, stream=stream)
+            smem=self.stages * self.stage_bytes + 2048, stream=stream, min_blocks_per_mp=self.min_ctas,
+            preferred_smem_carveout=-1 if self.min_ctas > 1 else None)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,

@@ -132,12 +132,18 @@ _SIGN = 0x80008000
 
 def decode_e2m1x8(w: Int32) -> tuple[Int32, Int32, Int32, Int32]:
     """8 E2M1 nibbles (v0 lowest) -> ``(v_j, v_{j+4}) * 2**-126`` as BF16x2 words, j = 0..3."""
-    u = w
-    r0 = ((u << 6) & Int32(_MAG)) | ((u << 12) & Int32(_SIGN - (1 << 32)))
-    r1 = ((u << 2) & Int32(_MAG)) | ((u << 8) & Int32(_SIGN - (1 << 32)))
-    r2 = ((u >> 2) & Int32(_MAG)) | ((u << 4) & Int32(_SIGN - (1 << 32)))
-    r3 = ((u >> 6) & Int32(_MAG)) | (u & Int32(_SIGN - (1 << 32)))
-    return r0, r1, r2, r3
+    # Nibbles j and j + 4 alone (mask), times 2**a + 2**(a + 6): two copies of each nibble, one with its
+    # magnitude at bits 6..8 (22..24), one with its sign at bit 15 (31); the copies share no bit, so the
+    # product is their OR; a last mask keeps those bits. Nibbles 2, 3 come from the word shifted by 8.
+    # Three instructions per word out instead of four shift/mask ones, and the multiply runs on the FMA
+    # pipe, off the integer pipe the masks use (H200: 5-11 % faster from T = 16 on, docs/benchmarks.md).
+    out = []
+    for j in range(4):
+        src = w if j < 2 else w >> 8
+        n = src & Int32(0x000F000F << (4 * (j % 2)))
+        copies = (1 << (6 - 4 * (j % 2))) + (1 << (12 - 4 * (j % 2)))
+        out.append((n * Int32(copies)) & Int32((_MAG | _SIGN) - (1 << 32)))
+    return tuple(out)
 
 
 @dsl_user_op

@@ -1,0 +1,32 @@
+"""Two eager calls of one MoE layer (model, T), for Nsight Compute: the second call's kernels are the ones
+to profile (``ncu -k regex:Gemm --launch-skip 2 --launch-count 2 python bench/moe_ncu.py V4-Flash 4096``)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from moe_bench import LIMIT, MODELS
+
+from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
+from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
+
+
+def main() -> None:
+    model, t = sys.argv[1], int(sys.argv[2])
+    h, i, e, k = MODELS[model]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = random_moe_weights(e, h, i, generator=gen, device="cuda", distinct_halves=False)
+    layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=t)
+    x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
+    wts = torch.rand(t, k, device="cuda", generator=gen)
+    for _ in range(2):
+        layer(x, ids, wts, **w)
+    torch.cuda.synchronize()
+    print(layer.config(t))
+
+
+if __name__ == "__main__":
+    main()
