@@ -82,7 +82,6 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
             raise ValueError(f"h_order must be one of {k_order.ORDERS}, got {h_order!r}")
         self.stages, self.h_order = stages, h_order
         self.min_ctas = min_ctas
-        self.b_order = "staged"
         self.swiglu_limit = swiglu_limit
         self.out_bf16 = False
         self.direct_top_k = 0            # prefill only: the routing kernel always runs
