@@ -131,7 +131,10 @@ _SIGN = 0x80008000
 
 
 def decode_e2m1x8(w: Int32) -> tuple[Int32, Int32, Int32, Int32]:
-    """8 E2M1 nibbles (v0 lowest) -> ``(v_j, v_{j+4}) * 2**-126`` as BF16x2 words, j = 0..3."""
+    """8 E2M1 nibbles (v0 lowest) -> ``(v_j, v_{j+4}) * 2**-126`` as BF16x2 words, j = 0..3.
+
+    Plain integer operators only, so the same function also runs on torch integer tensors (the CPU test).
+    """
     # Nibbles j and j + 4 alone (mask), times 2**a + 2**(a + 6): two copies of each nibble, one with its
     # magnitude at bits 6..8 (22..24), one with its sign at bit 15 (31); the copies share no bit, so the
     # product is their OR; a last mask keeps those bits. Nibbles 2, 3 come from the word shifted by 8.
@@ -140,9 +143,9 @@ def decode_e2m1x8(w: Int32) -> tuple[Int32, Int32, Int32, Int32]:
     out = []
     for j in range(4):
         src = w if j < 2 else w >> 8
-        n = src & Int32(0x000F000F << (4 * (j % 2)))
+        n = src & (0x000F000F << (4 * (j % 2)))
         copies = (1 << (6 - 4 * (j % 2))) + (1 << (12 - 4 * (j % 2)))
-        out.append((n * Int32(copies)) & Int32((_MAG | _SIGN) - (1 << 32)))
+        out.append((n * copies) & ((_MAG | _SIGN) - (1 << 32)))
     return tuple(out)
 
 

@@ -153,3 +153,19 @@ def test_direct_gemms_compile_sm90a(ids_dtype):
     w2 = torch.zeros(e, h, i // 2, dtype=torch.uint8)
     s2 = torch.zeros(e, swizzled_nbytes(h, i // 16), dtype=torch.uint8)
     assert compile_op(l2, [w2, s2, torch.zeros(e), hbuf, tok, wts, ids, ntiles, out, out]) is not None
+
+
+def test_register_e2m1_decode_is_exact_for_every_code_in_every_slot():
+    """The kernels' ``decode_e2m1x8`` (run here on int64 tensors, the same operators the kernels trace): each
+    BF16 half of word j, times 2**126, is the value of nibble j (low half) or j + 4 (high half), -0 included."""
+    from nvfp4_megamoe.kernels.e2m1 import decode_e2m1
+    from nvfp4_megamoe.kernels.sm90_ptx import decode_e2m1x8
+    gen = torch.Generator().manual_seed(0)
+    words = torch.cat([torch.randint(0, 1 << 32, (1 << 16,), generator=gen, dtype=torch.int64),
+                       torch.tensor([0x11111111 * c for c in range(16)])])  # every code in every nibble
+    for j, reg in enumerate(decode_e2m1x8(words)):
+        reg = reg & 0xFFFFFFFF
+        for half, nibble in ((reg & 0xFFFF, j), (reg >> 16, j + 4)):
+            got = (half << 16).to(torch.int32).view(torch.float32).double() * 2.0 ** 126
+            want = decode_e2m1(((words >> (4 * nibble)) & 0xF).to(torch.uint8)).double()
+            assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
