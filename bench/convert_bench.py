@@ -195,9 +195,9 @@ def main() -> None:
                             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM",
                  "load_before": os.getloadavg(), "source": str(src), "source_bytes": size, "workers": args.workers,
                  "baseline_rss_anon": baseline_rss()}
-    # Rounds interleave the commands (cp, cp && sync, default, --dense keep), so a machine that drifts
+    # Rounds interleave the commands (cp, cp && sync, default, --dense keep, --buffered-io), so a machine that drifts
     # (other work, memory state) affects all alike; each figure is the best of its rounds.
-    modes = (("default", []), ("dense_keep", ["--dense", "keep"]))
+    modes = (("default", []), ("dense_keep", ["--dense", "keep"]), ("default_buffered", ["--buffered-io"]))
     cp, cp_sync, runs = [], [], {name: [] for name, _ in modes}
     for _ in range(args.runs):
         cp.append(time_cp(src, args.workdir / "cp-copy", sync=False))
@@ -223,7 +223,8 @@ def main() -> None:
     print(f"cp -r: {res['cp_s']:.1f} s   cp -r && sync: {res['cp_sync_s']:.1f} s")
     print("| run | time (s) | / cp -r | / cp -r+sync | source GB/s | peak RssAnon (MiB) |")
     print("|---|---|---|---|---|---|")
-    rows = [("default", res["default"], size), ("--dense keep", res["dense_keep"], size)]
+    rows = [("default", res["default"], size), ("--dense keep", res["dense_keep"], size),
+            ("--buffered-io", res["default_buffered"], size)]
     if twice is not None:
         rows.append(("default, 2x experts", res["twice_default"], res["twice_source_bytes"]))
     for label, r, nbytes in rows:

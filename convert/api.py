@@ -219,7 +219,7 @@ def _threads_per_unit(workers: int) -> Iterator[None]:
 
 
 def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int, keep_source: bool,
-             progress: bool) -> tuple[ShardWriter, dict, int]:
+             progress: bool, direct_io: bool) -> tuple[ShardWriter, dict, int]:
     journal = prep.journal
     # Two hashing threads: one for source files (ahead of the conversion, which it also warms the page
     # cache for), one for output shards as they fill (so a digest is ready when its shard is).
@@ -230,7 +230,7 @@ def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int
     def shard_finished(name: str, size: int, future: Future) -> None:
         future.add_done_callback(lambda f: f.exception() is None and journal.add_shard(name, size, f.result()))
 
-    writer = ShardWriter(out, plan.shards, hash_pool, done=prep.done, on_finish=shard_finished)
+    writer = ShardWriter(out, plan.shards, hash_pool, done=prep.done, on_finish=shard_finished, direct_io=direct_io)
     run: list = []
     for unit in plan.units:
         if all(writer.is_done(o.name) for o in unit.outputs) and unit.key in journal.units:
@@ -302,14 +302,15 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
                        shard_size: int = DEFAULT_SHARD_SIZE, dry_run: bool = False, progress: bool = True,
                        on_plan: Callable[[Plan], None] | None = None, revision: str | None = None,
                        resume: bool = False, keep_source: bool = True, workers: int = DEFAULT_WORKERS,
-                       cache_dir: str | os.PathLike | None = None) -> ConvertResult:
+                       cache_dir: str | os.PathLike | None = None, direct_io: bool = True) -> ConvertResult:
     """Convert a DeepSeek-V4 checkpoint (a folder, or a Hub repo id ``owner/name``) to format 1 in ``out``.
 
     Everything is validated (headers, index, rule matching, siblings, shapes) before the output
     folder is created; tensor values (NaN/Inf, NaN scale bytes) are checked as they are read.
     ``resume`` continues an interrupted run in ``out`` (refusing one made from another source or
     options); ``keep_source=False`` deletes each downloaded Hub shard once converted; ``workers``
-    threads convert units in parallel (the bytes written do not depend on it). Raises
+    threads convert units in parallel (the bytes written do not depend on it); ``direct_io`` writes the shards
+    with ``O_DIRECT`` where the file system allows it, bypassing the page cache (same bytes). Raises
     :class:`~nvfp4_megamoe.convert.errors.ConvertError` subclasses whose messages name the tensor
     or file. With ``dry_run`` only the plan is made (no shard is downloaded).
     """
@@ -327,7 +328,7 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
             return ConvertResult(out, plan, prep.complete, skipped_shards=len(plan.shards))
         with _threads_per_unit(workers):
             writer, source_files, skipped = _execute(src, plan, out, prep, workers=workers, keep_source=keep_source,
-                                                     progress=progress)
+                                                     progress=progress, direct_io=direct_io)
         for name in src.extra_files():
             shutil.copyfile(src.extra_file_path(name), out / name)
         manifest = build_manifest(src, plan, writer, source_files)

@@ -87,8 +87,11 @@ def main() -> None:
                    "once converted (disk holds a few shards).")
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 64),
               help="Threads converting units in parallel (the output bytes do not depend on it).")
+@click.option("--direct-io/--buffered-io", default=True, show_default=True,
+              help="Write shards with O_DIRECT (past the page cache) where the file system allows it, or buffered. "
+                   "The output bytes are the same.")
 def convert(source: str, out: Path, dense: str, shard_size: int, dry_run: bool, progress: bool, revision: str | None,
-            resume: bool, keep_source: bool, workers: int) -> None:
+            resume: bool, keep_source: bool, workers: int, direct_io: bool) -> None:
     """Convert SOURCE (a checkpoint folder, or a Hub repo id owner/name) into OUT."""
     if not (dry_run or resume) and Path(source).is_dir():
         # Before torch is imported (over a second on one core): the source hashes get under way meanwhile.
@@ -98,7 +101,8 @@ def convert(source: str, out: Path, dense: str, shard_size: int, dry_run: bool, 
     try:
         result = convert_checkpoint(source, out, dense=dense, shard_size=shard_size, dry_run=dry_run,
                                     progress=progress, on_plan=lambda p: click.echo(format_plan(p)),
-                                    revision=revision, resume=resume, keep_source=keep_source, workers=workers)
+                                    revision=revision, resume=resume, keep_source=keep_source, workers=workers,
+                                    direct_io=direct_io)
     except ConvertError as exc:
         _fail(exc)
     if dry_run:

@@ -6,7 +6,8 @@ hashlib releases the GIL on large buffers, so all of these run beside the conver
 Output shards. Units fill a shard's tensors out of order (two workers, each at its own offsets), but a shard's
 sha256 must run front to back. :class:`PrefixHash` tracks which tensors are complete and hashes
 the file's complete prefix as it grows, on the hash thread, straight from the page cache through
-a read-only mapping of its own descriptor (so it outlives the writer's, and the rename; no copy).
+a read-only mapping of its own descriptor (so it outlives the writer's, and the rename; no copy), or,
+for a shard written with ``O_DIRECT`` (:mod:`.direct_io`), by direct reads of its descriptor.
 The writer gives a shard its full size before the first byte, so the mapping covers it all. The pieces it
 is told about are final when marked complete (a unit marks its outputs only once all are
 written), so the digest is exactly that of the finished file.
@@ -26,6 +27,8 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+
+from .direct_io import DirectFile
 
 HASH_CHUNK = 8 * 1024 * 1024
 
@@ -95,8 +98,10 @@ class PrefixHash:
     """sha256 of the file behind ``fd`` (duplicated here), whose byte ranges ``pieces`` [(start, end), ...]
     tile it front to back; the first piece (the header) is complete from the start."""
 
-    def __init__(self, fd: int, pieces: list[tuple[int, int]], pool: ThreadPoolExecutor):
+    def __init__(self, fd: int, pieces: list[tuple[int, int]], pool: ThreadPoolExecutor,
+                 direct: DirectFile | None = None):
         self.fd = os.dup(fd)
+        self.direct = direct  # an O_DIRECT file: read back through it (no page cache to map)
         self.ends = dict(pieces)
         self.order = [start for start, _ in pieces]
         self.complete_starts = {self.order[0]} if self.order else set()
@@ -151,6 +156,10 @@ class PrefixHash:
         # Runs on the one hash thread, so calls happen in submission order; the lock guards against close().
         with self.io:
             if self.fd < 0 or self.pos >= end:
+                return
+            if self.direct is not None:
+                self.direct.hash_range(self.sha, self.fd, self.pos, end)
+                self.pos = end
                 return
             if self.view is None:
                 self.view = memoryview(mmap.mmap(self.fd, 0, prot=mmap.PROT_READ))

@@ -8,6 +8,9 @@ looks like a finished conversion.
 The sha256 of a shard is computed while it fills (:mod:`.hashing`); on a thread of its own, the
 writeback of completed tensors is started at once and a finished shard is fsynced and renamed, so
 none of this holds up the conversion of what follows.
+
+Shards are written with ``O_DIRECT`` where the file system takes it (:mod:`.direct_io`; ``direct_io=False``
+writes through the page cache).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from nvfp4_megamoe.runtime.format import SHARD_METADATA, shard_name
 
+from .direct_io import DirectFile, open_direct
 from .errors import OutputError
 from .safetensors_header import encode_header
 from .hashing import PrefixHash
@@ -97,6 +101,31 @@ def _copy_all(src_fd: int, start: int, count: int, fd: int, pos: int, path: Path
             done += len(chunk)
 
 
+class _CopyBuffer(threading.local):
+    def get(self) -> memoryview:
+        view = getattr(self, "view", None)
+        if view is None:
+            view = self.view = memoryview(bytearray(8 << 20))
+        return view
+
+
+_copy_buffer = _CopyBuffer()
+
+
+def _copy_direct(src_fd: int, start: int, count: int, out: DirectFile, pos: int, path: Path) -> None:
+    """Source bytes to an O_DIRECT shard: read into a reused buffer, written through the shard's blocks."""
+    buf, done = _copy_buffer.get(), 0
+    try:
+        while done < count:
+            n = os.preadv(src_fd, [buf[:min(len(buf), count - done)]], start + done)
+            if n <= 0:
+                raise OSError(errno.EIO, "source ended early")
+            out.pwrite(buf[:n], pos + done)
+            done += n
+    except OSError as exc:
+        raise _disk_error(exc, path) from None
+
+
 class ShardWriter:
     """Writes the plan's shards into ``out``; call :meth:`written` as outputs complete.
 
@@ -105,12 +134,15 @@ class ShardWriter:
     again: writes to them are dropped. ``on_finish(name, size, sha256_future)`` is called
     when a shard has been fsynced and renamed to its final name (on the writer's finishing
     thread; :meth:`close` returns once every shard is finished, raising what went wrong).
+    ``direct_io``: write shards with ``O_DIRECT`` where the file system allows it.
     """
 
     def __init__(self, out: Path, shards: list[list[OutputSpec]], hash_pool: ThreadPoolExecutor,
                  done: dict[str, tuple[int, str]] | None = None,
-                 on_finish: Callable[[str, int, Future], None] | None = None):
+                 on_finish: Callable[[str, int, Future], None] | None = None, direct_io: bool = True):
         self.out = out
+        self.direct_io = direct_io
+        self.direct: dict[int, DirectFile] = {}  # open shards written with O_DIRECT
         self.names = [shard_name(i + 1, len(shards)) for i in range(len(shards))]
         self.layout: list[tuple[bytes, int]] = []
         self.where: dict[str, tuple[int, int, int]] = {}
@@ -164,7 +196,11 @@ class ShardWriter:
         if fd is None:
             head, size = self.layout[i]
             path = self.tmp_path(i)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+            fd = open_direct(path, flags) if self.direct_io else None
+            direct = DirectFile(fd, size) if fd is not None else None
+            if fd is None:
+                fd = os.open(path, flags, 0o644)
             try:
                 try:
                     os.posix_fallocate(fd, 0, size)
@@ -172,13 +208,19 @@ class ShardWriter:
                     if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                         raise
                     os.ftruncate(fd, size)
-                _pwrite_all(fd, memoryview(head), 0, path)
-                self.streams[i] = PrefixHash(fd, self.pieces[i], self.pool)
+                if direct is not None:
+                    direct.pwrite(memoryview(head), 0)
+                    self.direct[i] = direct
+                else:
+                    _pwrite_all(fd, memoryview(head), 0, path)
+                self.streams[i] = PrefixHash(fd, self.pieces[i], self.pool, direct=direct)
             except OSError as exc:
+                self.direct.pop(i, None)
                 os.close(fd)
                 path.unlink(missing_ok=True)
                 raise _disk_error(exc, path) from None
             except OutputError:
+                self.direct.pop(i, None)
                 os.close(fd)
                 path.unlink(missing_ok=True)
                 raise
@@ -200,8 +242,15 @@ class ShardWriter:
         target = self._target(name, offset, raw.nbytes)
         if target is not None:
             i, fd, pos = target
+            direct = self.direct.get(i)
             with self.write_locks[i]:
-                _pwrite_all(fd, memoryview(raw), pos, self.tmp_path(i))
+                if direct is None:
+                    _pwrite_all(fd, memoryview(raw), pos, self.tmp_path(i))
+                    return
+                try:
+                    direct.pwrite(memoryview(raw), pos)
+                except OSError as exc:
+                    raise _disk_error(exc, self.tmp_path(i)) from None
 
     def copy(self, name: str, src_fd: int, start: int, count: int) -> None:
         """Copy ``count`` bytes of a source file into output tensor ``name`` (in-kernel where possible)."""
@@ -209,8 +258,12 @@ class ShardWriter:
         if target is None:
             return
         i, fd, pos = target
+        direct = self.direct.get(i)
         with self.write_locks[i]:
-            _copy_all(src_fd, start, count, fd, pos, self.tmp_path(i))
+            if direct is None:
+                _copy_all(src_fd, start, count, fd, pos, self.tmp_path(i))
+            else:
+                _copy_direct(src_fd, start, count, direct, pos, self.tmp_path(i))
 
     def written(self, names: list[str]) -> None:
         """Mark outputs complete: their bytes join the shard's running hash, and a shard whose outputs are
@@ -225,7 +278,7 @@ class ShardWriter:
                 self._open(i)
                 self.pending[i].discard(name)
                 marks.append((self.streams[i], start))
-                if nbytes >= WRITEBACK_MIN:
+                if nbytes >= WRITEBACK_MIN and i not in self.direct:  # O_DIRECT leaves nothing to write back
                     flush.append((i, start, nbytes))
                 if not self.pending[i]:
                     finished.append(i)
@@ -263,6 +316,10 @@ class ShardWriter:
         future = stream.finish(size)
         path = self.tmp_path(i)
         try:
+            with self.lock:
+                direct = self.direct.pop(i, None)
+            if direct is not None:
+                direct.close()
             os.fsync(fd)
         except OSError as exc:
             raise _disk_error(exc, path) from None
@@ -288,6 +345,7 @@ class ShardWriter:
                 os.close(fd)
                 self.tmp_path(i).unlink(missing_ok=True)
             self.fds.clear()
+            self.direct.clear()
 
 
 def _done_future(value: str) -> Future:

@@ -166,3 +166,12 @@ def test_bytes_do_not_depend_on_the_number_of_threads(ckpt, clean, tmp_path, wor
     out = tmp_path / "out"
     convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False, workers=workers)
     assert _files(out) == _files(clean)
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_bytes_do_not_depend_on_direct_io(ckpt, clean, tmp_path, direct_io):
+    """O_DIRECT shards (where tmp_path's file system takes them) and page-cache shards are the same files,
+    with the same hashes in the manifest."""
+    out = tmp_path / "out"
+    convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False, direct_io=direct_io)
+    assert _files(out) == _files(clean)
