@@ -36,17 +36,19 @@ def open_direct(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int |
         raise
 
 
-class _Buffers(threading.local):
-    """One aligned bounce buffer per thread (anonymous mappings are page-aligned), made on first use."""
+class ThreadBuffer(threading.local):
+    """One buffer of ``size`` bytes per thread, made on first use; page-aligned (an anonymous mapping)."""
+
+    def __init__(self, size: int):
+        self.size, self.view = size, None
 
     def get(self) -> memoryview:
-        view = getattr(self, "view", None)
-        if view is None:
-            view = self.view = memoryview(mmap.mmap(-1, BOUNCE))
-        return view
+        if self.view is None:
+            self.view = memoryview(mmap.mmap(-1, self.size))
+        return self.view
 
 
-_buffers = _Buffers()
+_buffers = ThreadBuffer(BOUNCE)
 
 
 def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from nvfp4_megamoe.runtime.format import SHARD_METADATA, shard_name
 
-from .direct_io import DirectFile, open_direct
+from .direct_io import DirectFile, ThreadBuffer, open_direct
 from .errors import OutputError
 from .safetensors_header import encode_header
 from .hashing import PrefixHash
@@ -101,15 +101,7 @@ def _copy_all(src_fd: int, start: int, count: int, fd: int, pos: int, path: Path
             done += len(chunk)
 
 
-class _CopyBuffer(threading.local):
-    def get(self) -> memoryview:
-        view = getattr(self, "view", None)
-        if view is None:
-            view = self.view = memoryview(bytearray(8 << 20))
-        return view
-
-
-_copy_buffer = _CopyBuffer()
+_copy_buffer = ThreadBuffer(8 << 20)  # source bytes on their way to an O_DIRECT shard (not the bounce buffer)
 
 
 def _copy_direct(src_fd: int, start: int, count: int, out: DirectFile, pos: int, path: Path) -> None:
