@@ -51,7 +51,8 @@ class ThreadBuffer(threading.local):
 _buffers = ThreadBuffer(BOUNCE)
 
 
-def _pwrite_all(fd: int, data: memoryview, pos: int) -> None:
+def pwrite_all(fd: int, data: memoryview, pos: int) -> None:
+    """``os.pwrite`` until every byte is written (OSError as it raises)."""
     while data:
         n = os.pwrite(fd, data, pos)
         data, pos = data[n:], pos + n
@@ -85,7 +86,7 @@ class DirectFile:
         for at in range(lo, hi, BOUNCE):
             n = min(BOUNCE, hi - at)
             bounce[:n] = data[at - pos:at - pos + n]
-            _pwrite_all(self.fd, bounce[:n], at)
+            pwrite_all(self.fd, bounce[:n], at)
 
     def _edge(self, data: memoryview, pos: int) -> None:
         """Bytes inside blocks that other pieces share: kept until their block is full, then written."""
@@ -99,7 +100,7 @@ class DirectFile:
                 if entry[1] == self._block_len(block):
                     bounce = _buffers.get()
                     bounce[:ALIGN] = entry[0]
-                    _pwrite_all(self.fd, bounce[:ALIGN], block * ALIGN)  # the last block: padding past the size
+                    pwrite_all(self.fd, bounce[:ALIGN], block * ALIGN)  # the last block: padding past the size
                     self.padded |= (block + 1) * ALIGN > self.size
                     del self.edges[block]
             data, pos = data[n:], pos + n

@@ -26,7 +26,7 @@ import torch
 
 from nvfp4_megamoe.runtime.format import SHARD_METADATA, shard_name
 
-from .direct_io import DirectFile, ThreadBuffer, open_direct
+from .direct_io import DirectFile, ThreadBuffer, open_direct, pwrite_all
 from .errors import OutputError
 from .safetensors_header import encode_header
 from .hashing import PrefixHash
@@ -77,9 +77,7 @@ def _disk_error(exc: OSError, path: Path) -> OutputError:
 
 def _pwrite_all(fd: int, data: memoryview, pos: int, path: Path) -> None:
     try:
-        while data:
-            n = os.pwrite(fd, data, pos)
-            data, pos = data[n:], pos + n
+        pwrite_all(fd, data, pos)
     except OSError as exc:
         raise _disk_error(exc, path) from None
 
