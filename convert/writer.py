@@ -119,7 +119,7 @@ def _copy_direct(src_fd: int, start: int, count: int, out: DirectFile, pos: int,
 class ShardWriter:
     """Writes the plan's shards into ``out``; call :meth:`written` as outputs complete.
 
-    Thread-safe: units running in parallel write disjoint byte ranges with ``pwrite``. Shards
+    Thread-safe: units running in parallel write disjoint byte ranges. Shards
     named in ``done`` (finished by an earlier run, verified by ``--resume``) are not written
     again: writes to them are dropped. ``on_finish(name, size, sha256_future)`` is called
     when a shard has been fsynced and renamed to its final name (on the writer's finishing
@@ -147,8 +147,8 @@ class ShardWriter:
             self.pending.append({o.name for o in shard})
             self.pieces.append([(0, len(head))] + [(off, off + o.nbytes) for o, off in zip(shard, offsets)])
         self.fds: dict[int, int] = {}
-        # One writer per shard at a time: concurrent pwrites to one file contend on its inode lock, where the
-        # kernel spins and burns the CPU another thread could use; waiting on a Python lock sleeps instead.
+        # One writer per buffered shard at a time: concurrent pwrites to one file contend on its inode lock, where
+        # the kernel spins and burns the CPU another thread could use; waiting on a Python lock sleeps instead.
         self.write_locks = [threading.Lock() for _ in shards]
         self.streams: dict[int, PrefixHash] = {}
         self.finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsync")
@@ -205,12 +205,16 @@ class ShardWriter:
                     _pwrite_all(fd, memoryview(head), 0, path)
                 self.streams[i] = PrefixHash(fd, self.pieces[i], self.pool, direct=direct)
             except OSError as exc:
-                self.direct.pop(i, None)
+                if direct is not None:
+                    self.direct.pop(i, None)
+                    direct.abandon()
                 os.close(fd)
                 path.unlink(missing_ok=True)
                 raise _disk_error(exc, path) from None
             except OutputError:
-                self.direct.pop(i, None)
+                if direct is not None:
+                    self.direct.pop(i, None)
+                    direct.abandon()
                 os.close(fd)
                 path.unlink(missing_ok=True)
                 raise
@@ -233,14 +237,14 @@ class ShardWriter:
         if target is not None:
             i, fd, pos = target
             direct = self.direct.get(i)
-            with self.write_locks[i]:
-                if direct is None:
+            if direct is None:
+                with self.write_locks[i]:
                     _pwrite_all(fd, memoryview(raw), pos, self.tmp_path(i))
-                    return
-                try:
-                    direct.pwrite(memoryview(raw), pos)
-                except OSError as exc:
-                    raise _disk_error(exc, self.tmp_path(i)) from None
+                return
+            try:  # no lock: O_DIRECT writes of disjoint ranges go on side by side
+                direct.pwrite(memoryview(raw), pos)
+            except OSError as exc:
+                raise _disk_error(exc, self.tmp_path(i)) from None
 
     def copy(self, name: str, src_fd: int, start: int, count: int) -> None:
         """Copy ``count`` bytes of a source file into output tensor ``name`` (in-kernel where possible)."""
@@ -249,11 +253,11 @@ class ShardWriter:
             return
         i, fd, pos = target
         direct = self.direct.get(i)
+        if direct is not None:
+            _copy_direct(src_fd, start, count, direct, pos, self.tmp_path(i))
+            return
         with self.write_locks[i]:
-            if direct is None:
-                _copy_all(src_fd, start, count, fd, pos, self.tmp_path(i))
-            else:
-                _copy_direct(src_fd, start, count, direct, pos, self.tmp_path(i))
+            _copy_all(src_fd, start, count, fd, pos, self.tmp_path(i))
 
     def written(self, names: list[str]) -> None:
         """Mark outputs complete: their bytes join the shard's running hash, and a shard whose outputs are
@@ -331,11 +335,13 @@ class ShardWriter:
             for stream in self.streams.values():
                 stream.close()
             self.streams.clear()
+            for direct in self.direct.values():
+                direct.abandon()
+            self.direct.clear()
             for i, fd in list(self.fds.items()):
                 os.close(fd)
                 self.tmp_path(i).unlink(missing_ok=True)
             self.fds.clear()
-            self.direct.clear()
 
 
 def _done_future(value: str) -> Future:

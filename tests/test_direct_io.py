@@ -63,3 +63,20 @@ def test_a_block_never_completed_is_an_error(tmp_path):
     os.close(fd)
     with pytest.raises(ValueError, match="outside"):
         f.pwrite(memoryview(b"x" * 11), size - 10)
+
+
+def test_a_failed_background_write_is_raised(tmp_path):
+    """Whole blocks are written on the file's I/O threads: a write that fails there (here: a read-only
+    descriptor) is raised by the writer's next call, not lost."""
+    size = 4 * (8 << 20)
+    path = tmp_path / "shard"
+    path.write_bytes(bytes(size))
+    fd = open_direct(path, os.O_RDONLY)
+    if fd is None:
+        pytest.skip("this file system does not take O_DIRECT")
+    f = DirectFile(fd, size)
+    with pytest.raises(OSError):
+        f.pwrite(memoryview(bytes(size)), 0)   # its later chunks see the first ones fail ...
+        f.close()                              # ... or the wait for the last ones does
+    f.abandon()
+    os.close(fd)
