@@ -126,8 +126,9 @@ class DirectFile:
         """Wait for the writes on their way; raise the first that failed."""
         with self.lock:
             pending = list(self.inflight)
-        for future in pending:
-            future.exception()
+        for future in pending:  # a waiter may wake before the done-callback has recorded the failure
+            if future.exception() is not None:
+                raise future.exception()
         self._raise_failed()
 
     def _edge(self, data: memoryview, pos: int) -> None:
