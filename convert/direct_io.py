@@ -99,10 +99,13 @@ class DirectFile:
             with self.lock:
                 buf = self.spare.pop() if self.spare else memoryview(mmap.mmap(-1, BOUNCE))
             buf[:n] = data[at - pos:at - pos + n]
-            future = self.io.submit(self._write_out, buf, n, at)
-            with self.lock:
-                self.inflight.add(future)
-            future.add_done_callback(self._written)
+            self._submit(self._write_out, buf, n, at)
+
+    def _submit(self, fn, *args) -> None:
+        future = self.io.submit(fn, *args)
+        with self.lock:
+            self.inflight.add(future)
+        future.add_done_callback(self._written)
 
     def _write_out(self, buf: memoryview, n: int, at: int) -> None:
         try:
@@ -132,7 +135,8 @@ class DirectFile:
         self._raise_failed()
 
     def _edge(self, data: memoryview, pos: int) -> None:
-        """Bytes inside blocks that other pieces share: kept until their block is full, then written."""
+        """Bytes inside blocks that other pieces share: kept until their block is full, then written (on the I/O
+        threads; the block stays in :attr:`edges`, where reads find it, until it is on disk)."""
         while data:
             block, off = divmod(pos, ALIGN)
             n = min(len(data), ALIGN - off)
@@ -140,13 +144,19 @@ class DirectFile:
                 entry = self.edges.setdefault(block, [bytearray(ALIGN), 0])
                 entry[0][off:off + n] = data[:n]
                 entry[1] += n
-                if entry[1] == self._block_len(block):
-                    bounce = _block_buffers.get()
-                    bounce[:ALIGN] = entry[0]
-                    pwrite_all(self.fd, bounce[:ALIGN], block * ALIGN)  # the last block: padding past the size
-                    self.padded |= (block + 1) * ALIGN > self.size
-                    del self.edges[block]
+                full = bytes(entry[0]) if entry[1] == self._block_len(block) else None
+            if full is not None:
+                self._raise_failed()
+                self._submit(self._write_block, full, block)
             data, pos = data[n:], pos + n
+
+    def _write_block(self, data: bytes, block: int) -> None:
+        buf = _block_buffers.get()
+        buf[:ALIGN] = data
+        pwrite_all(self.fd, buf[:ALIGN], block * ALIGN)  # the last block: padding past the size
+        with self.lock:
+            self.padded |= (block + 1) * ALIGN > self.size
+            del self.edges[block]
 
     def hash_range(self, sha: "hashlib._Hash", fd: int, start: int, end: int) -> None:
         """Feed bytes [start, end) to ``sha``: from disk through ``fd`` (an O_DIRECT descriptor of this file), and
