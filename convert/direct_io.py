@@ -8,9 +8,10 @@ system time in an 18.8 s run on a 2-vCPU VM, where buffered ``pwrite`` of 4 GiB 
 (header, tensors) are neither. A write is copied into an aligned bounce buffer: its whole blocks go to
 disk on the file's I/O threads (the writer goes on converting; at most ``IN_FLIGHT`` buffers are out, and
 a failed write is raised by the next call), its partial first and last blocks wait in memory
-(:attr:`DirectFile.edges`) until the neighbouring pieces fill them. Every byte of a shard is written exactly once, so every block fills; the
-file's last block is written whole and the file cut back to its size by :meth:`DirectFile.close`. Reads
-(the shard's hash) take the blocks still waiting from memory and the rest from disk.
+(:attr:`DirectFile.edges`) until the neighbouring pieces fill them. Every byte of a shard is written
+exactly once, so every block fills; the file's last block is written whole and the file cut back to its
+size by :meth:`DirectFile.close`. Reads (the shard's hash) take the blocks still waiting from memory and
+the rest from disk.
 """
 
 from __future__ import annotations

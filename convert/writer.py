@@ -204,20 +204,15 @@ class ShardWriter:
                 else:
                     _pwrite_all(fd, memoryview(head), 0, path)
                 self.streams[i] = PrefixHash(fd, self.pieces[i], self.pool, direct=direct)
-            except OSError as exc:
+            except (OSError, OutputError) as exc:
                 if direct is not None:
                     self.direct.pop(i, None)
                     direct.abandon()
                 os.close(fd)
                 path.unlink(missing_ok=True)
+                if isinstance(exc, OutputError):
+                    raise
                 raise _disk_error(exc, path) from None
-            except OutputError:
-                if direct is not None:
-                    self.direct.pop(i, None)
-                    direct.abandon()
-                os.close(fd)
-                path.unlink(missing_ok=True)
-                raise
             self.fds[i] = fd
         return fd
 
