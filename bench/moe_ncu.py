@@ -1,8 +1,9 @@
 """Two eager calls of one MoE layer (model, T), for Nsight Compute: the second call's kernels are the ones
-to profile (``ncu -k regex:Gemm --launch-skip 2 --launch-count 2 python bench/moe_ncu.py V4-Flash 4096``)."""
+to profile (``ncu -k regex:Gemm --launch-skip 2 --launch-count 2 python bench/moe_ncu.py V4-Flash 4096 [TUNING_JSON]``)."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import torch
@@ -18,7 +19,8 @@ def main() -> None:
     h, i, e, k = MODELS[model]
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = random_moe_weights(e, h, i, generator=gen, device="cuda", distinct_halves=False)
-    layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=t)
+    layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=t,
+                         tuning=json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)
     x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
     ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
     wts = torch.rand(t, k, device="cuda", generator=gen)

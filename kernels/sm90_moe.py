@@ -68,12 +68,11 @@ def use_wgmma(tokens: int, top_k: int, experts: int, min_mean: float = WGMMA_MIN
 
 
 def wgmma_shape(tile_tokens: int) -> dict:
-    """CTA shape of the WGMMA kernels for a token tile: one warpgroup (64 weight rows, 4 k-tiles of weights
-    in flight) up to N = 96, where the smaller CTAs let two (three up to N = 48, registers capped at 168)
-    share an SM; two warpgroups above, where the accumulators fill the registers and one 128-row CTA reuses
-    each staged activation tile twice as much. (Uncapped, N = 32 took 184 registers and fit two CTAs per SM:
+    """CTA shape of the WGMMA kernels for a token tile: one warpgroup (64 weight rows) up to N = 96, where the
+    smaller CTAs let two (three up to N = 48, registers capped at 168) share an SM; two warpgroups above, where
+    the accumulators fill the registers and one 128-row CTA reuses each staged activation tile twice as much. (Uncapped, N = 32 took 184 registers and fit two CTAs per SM:
     V4-Pro T = 1024 5.33 ms capped, 6.53 ms not, on an H200.)"""
-    return {"warpgroups": 1, "depth": 4, "min_ctas": 3 if tile_tokens <= 48 else 2} if tile_tokens <= 96 else {}
+    return {"warpgroups": 1, "min_ctas": 3 if tile_tokens <= 48 else 2} if tile_tokens <= 96 else {}
 
 
 def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> int:

@@ -83,7 +83,7 @@ TUNED = [
     ("flash", 64, "skewed", {"pdl": True, "l2_prefetch": 128, "depth": 8}),
     ("small", 130, "skewed", {"pdl": True, "pdl_prefetch": True, "l2": {"split_k": 2}}),
     ("pro", 7, "skewed", {"pdl": True, "l2_prefetch": 256, "l2": {"split_k": 2}}),
-    ("flash", 333, "uniform", {"wgmma": True, "wg": {"l2_prefetch": 256, "depth": 4}}),
+    ("flash", 333, "uniform", {"wgmma": True, "wg": {"l2_prefetch": 256, "depth": 2}}),
     ("pro", 4095, "uniform", {"wg": {"l2_prefetch": 256}}),
     ("flash", 1, "uniform", {"row_tiles": 2, "depth": 2}),
     ("flash", 64, "skewed", {"row_tiles": 1, "depth": 4, "pdl": True}),
