@@ -47,11 +47,13 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         stages: staged activation tiles (>= 3; ``stages - 2`` in flight ahead of the MMAs).
         h_order: ``"swiglu"``: K order ``h`` is written in (``"staged"`` for an L2 of this kernel).
         min_ctas: CTAs that must fit on one SM (``ptxas`` caps the registers to match; 1: no cap).
+        l2_ahead: k-tiles ahead of the register pipeline that each warp's weight rows are prefetched into
+            the L2 (``prefetch.global.L2``; 0: none).
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 128, swiglu_limit: float | None = None,
                  warpgroups: int = 2, depth: int = 4, l2_prefetch: int = 0, stages: int = 4,
-                 h_order: str = "staged", min_ctas: int = 1, **_ignored):
+                 h_order: str = "staged", min_ctas: int = 1, l2_ahead: int = 0, **_ignored):
         if mode not in ("swiglu", "scatter"):
             raise ValueError(f"the wgmma GEMM has modes swiglu/scatter, got {mode!r}")
         if tile_tokens % 16 or not 16 <= tile_tokens <= 256:
@@ -82,6 +84,9 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
             raise ValueError(f"h_order must be one of {k_order.ORDERS}, got {h_order!r}")
         self.stages, self.h_order = stages, h_order
         self.min_ctas = min_ctas
+        if l2_ahead < 0:
+            raise ValueError(f"l2_ahead must be >= 0, got {l2_ahead}")
+        self.l2_ahead = l2_ahead
         self.swiglu_limit = swiglu_limit
         self.out_bf16 = False
         self.direct_top_k = 0            # prefill only: the routing kernel always runs
@@ -99,7 +104,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
 
     def key(self) -> tuple:
         return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth, self.l2_prefetch,
-                self.stages, self.h_order, self.min_ctas)
+                self.stages, self.h_order, self.min_ctas, self.l2_ahead)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -198,6 +203,11 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                 if nxt > n_kt - 1:
                     nxt = n_kt - 1
                 self.load_a(wbuf, sbufr, a_addr, s_addr, d, nxt)
+                if const_expr(self.l2_ahead > 0):
+                    far = kt + D + self.l2_ahead
+                    if far < n_kt:
+                        for h in cutlass.range_constexpr(2):
+                            ptx.prefetch_l2(a_addr[0, h] + Int64(far * 64), evict_last=False)
                 cute.arch.cp_async_wait_group(S - 3)      # this thread's copies of B(kt) landed
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier()                        # ... everyone's; and B(kt - 2)'s stage is free

@@ -54,10 +54,11 @@ def ld_global_v4(addr: Int64, l2_prefetch: int = 0, *, loc=None, ip=None) -> tup
 
 
 @dsl_user_op
-def prefetch_l2(addr: Int64, *, loc=None, ip=None) -> None:
-    """Bring the line holding ``addr`` into L2, marked to stay (``evict_last``): weights a later
+def prefetch_l2(addr: Int64, evict_last: bool = True, *, loc=None, ip=None) -> None:
+    """Bring the line holding ``addr`` into L2; ``evict_last`` marks it to stay: weights a later
     kernel phase reads while other traffic streams through."""
-    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], "prefetch.global.L2::evict_last [$0];", "l",
+    hint = "::evict_last" if evict_last else ""
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip)], f"prefetch.global.L2{hint} [$0];", "l",
                     has_side_effects=True, loc=loc, ip=ip)
 
 

@@ -83,8 +83,8 @@ def test_wgmma_heuristics_and_bad_config():
     # two row tiles once L1 has two 128-row CTAs per SM: not V4-Flash at T = 1 (6 x 32 CTAs), V4-Pro at T = 1
     assert pick_row_tiles(1, 6, 256, 4096, 132) == 1 and pick_row_tiles(4, 6, 256, 4096, 132) == 2
     assert pick_row_tiles(1, 6, 384, 6144, 132) == 2
-    assert wgmma_shape(32) == {"warpgroups": 1, "min_ctas": 3} and wgmma_shape(128) == {}
-    assert wgmma_shape(80) == {"warpgroups": 1, "min_ctas": 2}
+    assert wgmma_shape(32) == {"warpgroups": 1, "min_ctas": 3} and wgmma_shape(128) == {"l2_ahead": 8}
+    assert wgmma_shape(80) == {"warpgroups": 1, "min_ctas": 2, "l2_ahead": 8}
     # a shape whose rows do not fill 128-row CTAs keeps one row tile at any T
     odd = Sm90NvFp4MoE(hidden=192, intermediate=96, experts=8, top_k=2, swiglu_limit=None, max_tokens=64, device="cpu")
     assert {odd.config(t)[2] for t in range(1, 65)} == {1}
