@@ -39,6 +39,10 @@ WGMMA_MIN_MEAN = 8.0  # mean routed pairs per expert from which the WGMMA (prefi
 # (docs/benchmarks.md): T = 2 3-5 % faster for V4-Flash and 1 % for V4-Pro; from T = 4 the experts repeated
 # across tokens cost more than the routing launch (V4-Pro T = 4 +2 %, T = 16 +18 %).
 DIRECT_MAX_TOKENS = 2
+# calls of up to this many tokens interleave the decode GEMMs' two row tiles (``interleave_rows``). Measured on an
+# H200 (docs/benchmarks.md), interleaved against not: T = 4 V4-Flash 128.6 -> 118.0 us, V4-Pro 285.5 -> 278.3 us;
+# T = 2 V4-Pro 174.8 -> 168.9 us; from T = 8 slower (V4-Flash T = 16 320.4 -> 342.9 us, V4-Pro T = 8 492.7 -> 508.2).
+INTERLEAVE_MAX_TOKENS = 4
 
 
 def _smallest_tile(need: float, choices: tuple[int, ...]) -> int:
@@ -115,17 +119,19 @@ class Sm90NvFp4MoE:
         self.xbuf = torch.empty(max_tokens, hidden, dtype=torch.bfloat16, device=dev)  # x in "staged" order
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
 
-    def kernels(self, tile_tokens: int, wgmma: bool = False, row_tiles: int = 1, direct: bool = False
-                ) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
+    def kernels(self, tile_tokens: int, wgmma: bool = False, row_tiles: int = 1, direct: bool = False,
+                interleave: bool = False) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
         """The three kernel objects used for a token tile size (``wgmma``: the prefill GEMMs; ``row_tiles``:
         :func:`pick_row_tiles`, which explicit ``tuning`` keys override; ``direct``: the GEMMs walk the
-        routed pairs themselves and the routing kernel is not launched)."""
+        routed pairs themselves and the routing kernel is not launched; ``interleave``: the decode GEMMs'
+        ``interleave_rows``)."""
         tuning = {**({"row_tiles": 2, "depth": 2} if row_tiles == 2 else {}), **getattr(self, "tuning", {})}
         l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
-        for key in ("wgmma", "wgmma_min_mean", "direct", "direct_max_tokens"):
+        for key in ("wgmma", "wgmma_min_mean", "direct", "direct_max_tokens", "interleave_max_tokens"):
             tuning.pop(key, None)
         if direct:
             tuning["direct_top_k"] = self.k
+        tuning = {"interleave_rows": interleave, **tuning}
         wg_extra = {**wgmma_shape(tile_tokens), **tuning.pop("wg", {})}
         if wgmma:
             return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
@@ -139,10 +145,11 @@ class Sm90NvFp4MoE:
                 Sm90Nvfp4GroupedGemm(m=self.h, k=self.i, mode="scatter", tile_tokens=tile_tokens, b_order="lane",
                                      **{**tuning, **l2_extra}))
 
-    def config(self, tokens: int) -> tuple[int, bool, int, bool]:
-        """(tile_tokens, wgmma, row_tiles, direct) of a call with ``tokens`` tokens: the arguments of
-        :meth:`kernels`. ``direct`` (no routing kernel) up to ``DIRECT_MAX_TOKENS`` tokens (``tuning`` key
-        ``"direct_max_tokens"``), never with ``tuning={"direct": False}``."""
+    def config(self, tokens: int) -> tuple[int, bool, int, bool, bool]:
+        """(tile_tokens, wgmma, row_tiles, direct, interleave) of a call with ``tokens`` tokens: the arguments
+        of :meth:`kernels`. ``direct`` (no routing kernel) up to ``DIRECT_MAX_TOKENS`` tokens (``tuning`` key
+        ``"direct_max_tokens"``), never with ``tuning={"direct": False}``; ``interleave`` with two row tiles up
+        to ``INTERLEAVE_MAX_TOKENS`` (``tuning`` key ``"interleave_max_tokens"``)."""
         tuning = getattr(self, "tuning", {})
         wg = tuning.get("wgmma")
         if wg is None:
@@ -152,7 +159,8 @@ class Sm90NvFp4MoE:
         if not wg and self.h % 128 == 0 and (2 * self.i) % 128 == 0:
             rt = pick_row_tiles(tokens, self.k, self.e, 2 * self.i, self.sms)
         direct_max = tuning.get("direct_max_tokens", DIRECT_MAX_TOKENS) if tuning.get("direct", True) else 0
-        return bn, wg, rt, tokens <= direct_max and not wg
+        interleave = rt == 2 and tokens <= tuning.get("interleave_max_tokens", INTERLEAVE_MAX_TOKENS)
+        return bn, wg, rt, tokens <= direct_max and not wg, interleave
 
     def warmup(self, ids_dtype: torch.dtype = torch.int32) -> int:
         """Compile every kernel configuration a call with 1 <= T <= ``max_tokens`` can pick (routing ids of
@@ -165,8 +173,8 @@ class Sm90NvFp4MoE:
         ids, wts = torch.empty(p, dtype=ids_dtype, device=dev), torch.empty(p, **f32)
         common = [self.token_of[:p], self.weight_of[:p], self.tiles, self.num_tiles]
         configs = {self.config(n) for n in range(1, self.max_tokens + 1)}
-        for bn, wg, rt, direct in configs:
-            routing, l1, l2 = self.kernels(bn, wg, rt, direct)
+        for bn, wg, rt, direct, interleave in configs:
+            routing, l1, l2 = self.kernels(bn, wg, rt, direct, interleave)
             pairs = [self.token_of[:p], wts, ids.view(p, 1), self.num_tiles] if direct else common
             if not direct:
                 _compile(routing, [ids, wts, *common, self.rank[:p]])
@@ -208,8 +216,8 @@ class Sm90NvFp4MoE:
         _expect(out.dtype == torch.float32 and tuple(out.shape) == (t, self.h) and out.is_contiguous(),
                 "out must be contiguous float32 [T, H]")
         pairs = t * self.k
-        bn, wg, rt, direct = self.config(t)
-        routing, l1, l2 = self.kernels(bn, wg, rt, direct)
+        bn, wg, rt, direct, interleave = self.config(t)
+        routing, l1, l2 = self.kernels(bn, wg, rt, direct, interleave)
         token_of, hbuf = self.token_of[:pairs], self.hbuf[:pairs]
         if direct:  # one tile per routed pair, in [T, k] order: no sort, no routing launch
             tiles, weight_of = topk_ids.reshape(pairs, 1), topk_weights.reshape(-1)

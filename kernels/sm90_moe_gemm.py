@@ -80,13 +80,15 @@ class Sm90Nvfp4GroupedGemm:
             across tokens is read once per pair (the repeats mostly from L2).
         b_order: K order of the activation rows, ``"logical"`` or ``"lane"`` (``k_order``).
         h_order: ``"swiglu"``: K order ``h`` is written in (``k_order.ORDERS``).
+        interleave_rows: decode every row tile of a k-tile first and interleave their MMAs (else one row tile
+            after the other); the results are the same, only the schedule differs (``mma_ktile``).
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
                  warps: int = 4, row_tiles: int = 1, depth: int = 4, b_depth: int | None = None,
                  split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
                  pdl_prefetch: bool = False, direct_top_k: int = 0, b_order: str = "logical",
-                 h_order: str = "logical"):
+                 h_order: str = "logical", interleave_rows: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -110,6 +112,7 @@ class Sm90Nvfp4GroupedGemm:
             raise ValueError(f"b_order must be 'logical' or 'lane' and h_order one of {k_order.ORDERS}, "
                              f"got {b_order!r}, {h_order!r}")
         self.b_order, self.h_order = b_order, h_order
+        self.interleave_rows = interleave_rows and row_tiles > 1
         if l2_prefetch not in ptx.L2_PREFETCH_BYTES:
             raise ValueError(f"l2_prefetch must be one of {ptx.L2_PREFETCH_BYTES}, got {l2_prefetch}")
         self.l2_prefetch = l2_prefetch
@@ -129,7 +132,7 @@ class Sm90Nvfp4GroupedGemm:
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
                 self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
-                self.direct_top_k, self.b_order, self.h_order)
+                self.direct_top_k, self.b_order, self.h_order, self.interleave_rows)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -307,27 +310,40 @@ class Sm90Nvfp4GroupedGemm:
 
     @cute.jit
     def mma_ktile(self, cw: cute.Tensor, cs: cute.Tensor, xw: cute.Tensor, acc: cute.Tensor):
-        for mt in cutlass.range_constexpr(self.row_tiles):
-            # decoded A words: a[h][w][j] = (v_j, v_{j+4}) of word w of row h, times its block scale
-            a = cute.make_rmem_tensor((2, 4, 4), Int32)
-            for h in cutlass.range_constexpr(2):
-                s01 = ptx.e4m3x2_to_bf16x2_pair(cs[mt, h], ptx.DECODE_BIAS)
-                for w in cutlass.range_constexpr(4):
-                    r = ptx.decode_e2m1x8(cw[mt, h, w])
-                    for j in cutlass.range_constexpr(4):
-                        a[h, w, j] = ptx.mul_bf16x2(r[j], s01[w // 2])
+        # The MMAs' order changes no result (each accumulator sees its k16 steps in the same order), only the
+        # schedule: interleaved, the row tiles' accumulator chains overlap, but ptxas takes more registers (V4-Flash
+        # L2: 138 instead of 128, 3 CTAs per SM instead of 4). Which pays depends on T (``Sm90NvFp4MoE.config``).
+        # decoded A words: a[mt, h, w, j] = (v_j, v_{j+4}) of word w of row h of row tile mt, times its block scale
+        a = cute.make_rmem_tensor((self.row_tiles, 2, 4, 4), Int32)
+        steps = [(w, u, nb) for w in range(4) for u in range(2) for nb in range(self.nb)]
+        if const_expr(self.interleave_rows):
+            for mt in cutlass.range_constexpr(self.row_tiles):
+                self.decode_rows(cw, cs, a, mt)
+            for w, u, nb in steps:
+                for mt in cutlass.range_constexpr(self.row_tiles):
+                    self.mma_step(a, xw, acc, mt, w, u, nb)
+        else:
+            for mt in cutlass.range_constexpr(self.row_tiles):
+                self.decode_rows(cw, cs, a, mt)
+                for w, u, nb in steps:
+                    self.mma_step(a, xw, acc, mt, w, u, nb)
+
+    @cute.jit
+    def decode_rows(self, cw: cute.Tensor, cs: cute.Tensor, a: cute.Tensor, mt: int):
+        for h in cutlass.range_constexpr(2):
+            s01 = ptx.e4m3x2_to_bf16x2_pair(cs[mt, h], ptx.DECODE_BIAS)
             for w in cutlass.range_constexpr(4):
-                for u in cutlass.range_constexpr(2):
-                    a0 = a[0, w, 2 * u]
-                    a1 = a[1, w, 2 * u]
-                    a2 = a[0, w, 2 * u + 1]
-                    a3 = a[1, w, 2 * u + 1]
-                    for nb in cutlass.range_constexpr(self.nb):
-                        b0, b1 = self.b_pair(xw, nb, 2 * w + u)
-                        d = ptx.mma_bf16_16816(a0, a1, a2, a3, b0, b1, acc[mt, nb, 0], acc[mt, nb, 1],
-                                               acc[mt, nb, 2], acc[mt, nb, 3])
-                        for i in cutlass.range_constexpr(4):
-                            acc[mt, nb, i] = d[i]
+                r = ptx.decode_e2m1x8(cw[mt, h, w])
+                for j in cutlass.range_constexpr(4):
+                    a[mt, h, w, j] = ptx.mul_bf16x2(r[j], s01[w // 2])
+
+    @cute.jit
+    def mma_step(self, a: cute.Tensor, xw: cute.Tensor, acc: cute.Tensor, mt: int, w: int, u: int, nb: int):
+        b0, b1 = self.b_pair(xw, nb, 2 * w + u)
+        d = ptx.mma_bf16_16816(a[mt, 0, w, 2 * u], a[mt, 1, w, 2 * u], a[mt, 0, w, 2 * u + 1], a[mt, 1, w, 2 * u + 1],
+                               b0, b1, acc[mt, nb, 0], acc[mt, nb, 1], acc[mt, nb, 2], acc[mt, nb, 3])
+        for i in cutlass.range_constexpr(4):
+            acc[mt, nb, i] = d[i]
 
     def b_pair(self, xw: cute.Tensor, nb: int, step: int) -> tuple[Int32, Int32]:
         """The B registers (k, k + 4), (k + 1, k + 5) of MMA step ``step`` from a lane's 16 activation words."""

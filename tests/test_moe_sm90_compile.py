@@ -124,13 +124,16 @@ def test_warmup_compiles_every_configuration_a_call_can_pick():
     layer = Sm90NvFp4MoE(hidden=4096, intermediate=2048, experts=256, top_k=6, swiglu_limit=10.0,
                          max_tokens=400, device="cpu")
     picked = {layer.config(t) for t in range(1, 401)}
-    # T = 1: one row tile, then two; no routing kernel up to T = 2; from 342 tokens (8 pairs per expert) the WGMMA kernels
-    assert layer.config(1) == (8, False, 1, True) and layer.config(2) == (8, False, 2, True)
-    assert layer.config(3)[3] is False and (8, False, 2, False) in picked
-    assert any(wg for _, wg, _, _ in picked)
+    # T = 1: one row tile, then two; no routing kernel up to T = 2; row tiles interleaved up to T = 4;
+    # from 342 tokens (8 pairs per expert) the WGMMA kernels
+    assert layer.config(1) == (8, False, 1, True, False) and layer.config(2) == (8, False, 2, True, True)
+    assert layer.config(3)[3] is False and layer.config(4) == (8, False, 2, False, True)
+    assert layer.config(5) == (8, False, 2, False, False)
+    assert any(wg for _, wg, _, _, _ in picked)
     assert layer.warmup() == len(picked)
-    for bn, wg, rt, direct in picked:
-        routing, l1, l2 = layer.kernels(bn, wg, rt, direct)
+    for bn, wg, rt, direct, interleave in picked:
+        routing, l1, l2 = layer.kernels(bn, wg, rt, direct, interleave)
+        assert l1.key()[-1] is interleave or wg
         for op in (l1, l2) if direct else (routing, l1, l2):
             assert any(key[1] == op.key() for key in cute_host._COMPILED), (bn, wg, rt, type(op).__name__)
 

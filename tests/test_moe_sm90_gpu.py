@@ -88,6 +88,9 @@ TUNED = [
     ("flash", 1, "uniform", {"row_tiles": 2, "depth": 2}),
     ("flash", 64, "skewed", {"row_tiles": 1, "depth": 4, "pdl": True}),
     ("small", 130, "skewed", {"row_tiles": 2, "pdl": True, "pdl_prefetch": True}),
+    # the decode GEMMs' row tiles interleaved past the default T, and not interleaved below it
+    ("flash", 64, "skewed", {"interleave_max_tokens": 64}),
+    ("pro", 4, "uniform", {"interleave_max_tokens": 0}),
     ("flash", 1, "uniform", {"direct": False}),    # one token through the routing kernel (default: direct)
     ("pro", 1, "skewed", {"direct": False}),
     # several tokens as one tile per routed pair (no routing kernel), experts repeated across tokens
