@@ -74,10 +74,11 @@ def use_wgmma(tokens: int, top_k: int, experts: int, min_mean: float = WGMMA_MIN
 def wgmma_shape(tile_tokens: int) -> dict:
     """CTA shape of the WGMMA kernels for a token tile: one warpgroup (64 weight rows) up to N = 96, where the
     smaller CTAs let two (three up to N = 48, registers capped at 168) share an SM; two warpgroups above, where
-    the accumulators fill the registers and one 128-row CTA reuses each staged activation tile twice as much. (Uncapped, N = 32 took 184 registers and fit two CTAs per SM:
-    V4-Pro T = 1024 5.33 ms capped, 6.53 ms not, on an H200.) From N = 64 on, weights are also prefetched into
-    the L2 8 k-tiles ahead of the register pipeline: on an H200 V4-Flash T = 2048 / 4096 took 4-6 % less time,
-    V4-Pro T = 4096 (N = 80) the same, while at N = 48 (V4-Pro T = 2048) it cost 14-18 %."""
+    the accumulators fill the registers and one 128-row CTA reuses each staged activation tile twice as much.
+    (Uncapped, N = 32 took 184 registers and fit two CTAs per SM: V4-Pro T = 1024 5.33 ms capped, 6.53 ms not,
+    on an H200.) From N = 64 on, weights are also prefetched into the L2 8 k-tiles ahead of the register
+    pipeline: on an H200 V4-Flash T = 2048 / 4096 took 4-6 % less time, V4-Pro T = 4096 (N = 80) the same,
+    while at N = 48 (V4-Pro T = 2048) it cost 14-18 %."""
     if tile_tokens <= 48:
         return {"warpgroups": 1, "min_ctas": 3}
     return {"warpgroups": 1, "min_ctas": 2, "l2_ahead": 8} if tile_tokens <= 96 else {"l2_ahead": 8}

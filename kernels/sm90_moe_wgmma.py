@@ -5,7 +5,8 @@ Same operands, work tiles, epilogues and call signature as :class:`Sm90Nvfp4Grou
 
 * A = the packed NVFP4 weights, decoded to BF16 in registers exactly as in the mma.sync kernel (the
   register fragment of ``wgmma ... m64nNk16`` with A in registers is, per warp, the m16n8k16 A
-  fragment), streamed through the same per-thread register pipeline (``depth`` k-tiles ahead);
+  fragment), streamed through the same per-thread register pipeline (``depth`` k-tiles ahead), and with
+  ``l2_ahead`` prefetched into the L2 that many k-tiles further on;
 * B = ``tile_tokens`` (N) activation rows staged in shared memory, K-major, 128-byte swizzle, in a
   ring of ``stages`` tiles of 128 K each, and read by the tensor cores through a matrix descriptor;
   a CTA is ``warpgroups`` x 64 weight rows, so each staged tile feeds 64 * warpgroups rows.
