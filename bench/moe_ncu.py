@@ -1,5 +1,6 @@
-"""Two eager calls of one MoE layer (model, T), for Nsight Compute: the second call's kernels are the ones
-to profile (``ncu -k regex:Gemm --launch-skip 2 --launch-count 2 python bench/moe_ncu.py V4-Flash 4096 [TUNING_JSON]``)."""
+"""Two eager calls of one MoE layer (model, T, optional tuning JSON), for Nsight Compute: the second call's
+kernels are the ones to profile
+(``ncu -k regex:Gemm --launch-skip 2 --launch-count 2 python bench/moe_ncu.py V4-Flash 4096 [TUNING_JSON]``)."""
 
 from __future__ import annotations
 
