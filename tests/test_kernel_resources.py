@@ -1,0 +1,58 @@
+"""CI (CPU-only) guard on what ptxas gives the MoE kernels: every configuration a V4-Flash or V4-Pro layer can
+pick (``Sm90NvFp4MoE.warmup`` up to 8192 tokens) is compiled for sm_90a and its cubin read
+(``kernel_resources_probe.py``, in a fresh interpreter).
+
+Spills (a stack frame) and registers past the CTAs per SM a kernel is designed for cost time silently: with
+the row tiles interleaved at every T, the V4-Flash decode L2 took 138 registers instead of 128 (3 CTAs per SM
+instead of 4) and T = 16 / 64 ran 5-7 % slower (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+
+PROBE = Path(__file__).with_name("kernel_resources_probe.py")
+DECODE_CTAS_PER_SM = 3  # the mma.sync decode GEMMs are measured at 3-4 CTAs of 128 threads per SM
+
+
+def max_registers(ctas: int, threads: int) -> int:
+    """Registers per thread that let ``ctas`` CTAs of ``threads`` share one SM's 64 K (allocated by 8)."""
+    return min(255, 65536 // (ctas * threads) // 8 * 8)
+
+
+@pytest.fixture(scope="module")
+def resources(tmp_path_factory) -> dict:
+    dump = tmp_path_factory.mktemp("cubins")
+    run = subprocess.run([sys.executable, str(PROBE), str(dump)], capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_the_probe_sees_a_spill(resources):
+    """The control (64-token tiles with two row tiles, which no layer picks) spills: the check can fail."""
+    assert resources["control"]["frame_bytes"] > 0 and resources["control"]["registers"] == 255
+
+
+def test_no_kernel_a_v4_layer_picks_spills(resources):
+    kernels = resources["kernels"]
+    assert len(kernels) >= 40 and {k["kernel"] for k in kernels} >= {"Sm90Nvfp4GroupedGemm", "Sm90Nvfp4WgmmaGemm"}
+    spilled = [f'{k["kernel"]} {k["key"]}: {k["frame_bytes"]} bytes' for k in kernels if k["frame_bytes"]]
+    assert not spilled, "kernels with a stack frame (register spills):\n" + "\n".join(spilled)
+
+
+def test_kernels_fit_the_ctas_per_sm_they_are_built_for(resources):
+    too_big = []
+    for k in resources["kernels"]:
+        if not k["threads"]:
+            continue
+        ctas = k["min_ctas"] or (DECODE_CTAS_PER_SM if k["kernel"] == "Sm90Nvfp4GroupedGemm" else 1)
+        if k["registers"] > max_registers(ctas, k["threads"]):
+            too_big.append(f'{k["kernel"]} {k["key"]}: {k["registers"]} registers, {ctas} CTAs of {k["threads"]}')
+    assert not too_big, "kernels that no longer fit their CTAs per SM:\n" + "\n".join(too_big)
