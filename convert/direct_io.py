@@ -53,8 +53,9 @@ class ThreadBuffer(threading.local):
         return self.view
 
 
-_read_buffers = ThreadBuffer(BOUNCE)
+_read_buffers = (ThreadBuffer(BOUNCE), ThreadBuffer(BOUNCE))  # the chunk being hashed, the one being read
 _block_buffers = ThreadBuffer(ALIGN)
+_reader = ThreadPoolExecutor(1, thread_name_prefix="odirect-read")  # reads the next chunk while one is hashed
 
 
 def pwrite_all(fd: int, data: memoryview, pos: int) -> None:
@@ -161,25 +162,37 @@ class DirectFile:
 
     def hash_range(self, sha: "hashlib._Hash", fd: int, start: int, end: int) -> None:
         """Feed bytes [start, end) to ``sha``: from disk through ``fd`` (an O_DIRECT descriptor of this file), and
-        from memory for blocks still waiting. Every byte in the range must have been written already."""
+        from memory for blocks still waiting. Every byte in the range must have been written already. The
+        next chunk is read on a reader thread while this one is hashed (the tail of a conversion is this hash)."""
         self.drain()
-        buf = _read_buffers.get()
-        at = start // ALIGN * ALIGN
-        while at < end:
-            n = min(BOUNCE, -(-end // ALIGN) * ALIGN - at)
-            with self.lock:
-                waiting = {b: bytes(self.edges[b][0]) for b in range(at // ALIGN, (at + n) // ALIGN) if b in self.edges}
-            got = 0
-            while got < n:
-                k = os.preadv(fd, [buf[got:n]], at + got)
-                if k <= 0:
-                    break  # past the end of the file (its last block before the padding is written)
-                got += k
-            for b, data in waiting.items():
-                buf[b * ALIGN - at:(b + 1) * ALIGN - at] = data
-            lo, hi = max(start, at) - at, min(end, at + n) - at
-            sha.update(buf[lo:hi])
-            at += n
+        first = start // ALIGN * ALIGN
+        last = -(-end // ALIGN) * ALIGN
+        chunks = [(at, min(BOUNCE, last - at)) for at in range(first, last, BOUNCE)]
+        bufs = [b.get() for b in _read_buffers]
+        pending = _reader.submit(self._read_chunk, fd, *chunks[0], bufs[0]) if chunks else None
+        try:
+            for i, (at, n) in enumerate(chunks):
+                buf, pending = pending.result(), None
+                if i + 1 < len(chunks):
+                    pending = _reader.submit(self._read_chunk, fd, *chunks[i + 1], bufs[(i + 1) % 2])
+                sha.update(buf[max(start, at) - at:min(end, at + n) - at])
+        finally:
+            if pending is not None:  # a failure: let the read in flight end before its buffer is used again
+                pending.exception()
+
+    def _read_chunk(self, fd: int, at: int, n: int, buf: memoryview) -> memoryview:
+        """Bytes [at, at + n) into ``buf``: the blocks still waiting from memory, the rest from disk."""
+        with self.lock:
+            waiting = {b: bytes(self.edges[b][0]) for b in range(at // ALIGN, (at + n) // ALIGN) if b in self.edges}
+        got = 0
+        while got < n:
+            k = os.preadv(fd, [buf[got:n]], at + got)
+            if k <= 0:
+                break  # past the end of the file (its last block before the padding is written)
+            got += k
+        for b, data in waiting.items():
+            buf[b * ALIGN - at:(b + 1) * ALIGN - at] = data
+        return buf
 
     def close(self) -> None:
         """Every block must have been written; cut the padding of the last block. The descriptor stays open."""
