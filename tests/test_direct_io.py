@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from nvfp4_megamoe.convert.direct_io import ALIGN, DirectFile, open_direct
+from nvfp4_megamoe.convert.direct_io import ALIGN, BOUNCE, DirectFile, open_direct
 
 
 def _tiling(size: int, rng: random.Random) -> list[tuple[int, int]]:
@@ -52,6 +52,31 @@ def test_pieces_in_any_order_from_threads_make_the_file_and_its_hash(tmp_path, s
     os.close(fd)
     assert (tmp_path / "shard").read_bytes() == data    # the padding of the last block is cut
     assert sha.hexdigest() == hashlib.sha256(data).hexdigest()
+
+
+def test_hashing_reads_ahead_across_chunks(tmp_path):
+    """Ranges of several read chunks (the next one is read while one is hashed), starting and ending off block
+    boundaries; a hash that fails part way lets its read in flight end, and the next hash is right."""
+    rng = random.Random(7)
+    size = 2 * BOUNCE + 3 * ALIGN + 5
+    data = rng.randbytes(size)
+    fd, f = _open(tmp_path, size)
+    for s, e in _tiling(size, rng):
+        f.pwrite(memoryview(data)[s:e], s)
+
+    class Failing:
+        def update(self, _):
+            raise RuntimeError("hash failed")
+
+    with pytest.raises(RuntimeError, match="hash failed"):
+        f.hash_range(Failing(), fd, 0, size)      # fails on the first chunk, with the second being read
+    whole, parts = hashlib.sha256(), hashlib.sha256()
+    f.hash_range(whole, fd, 0, size)
+    for lo, hi in ((0, 123), (123, BOUNCE + 77), (BOUNCE + 77, size)):
+        f.hash_range(parts, fd, lo, hi)
+    f.close()
+    os.close(fd)
+    assert whole.hexdigest() == parts.hexdigest() == hashlib.sha256(data).hexdigest()
 
 
 def test_a_block_never_completed_is_an_error(tmp_path):
