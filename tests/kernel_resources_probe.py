@@ -52,11 +52,11 @@ def main() -> None:
     os.makedirs(sys.argv[1], exist_ok=True)  # CuTeDSL writes no artifact into a missing folder
     os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=sys.argv[1],
                       NVFP4_MEGAMOE_KERNEL_CACHE="0")
-    import torch
     from nvfp4_megamoe.kernels import cute_host, sm90_attention_indexer, sm90_moe
     from nvfp4_megamoe.kernels.sm90_decode_attention import Sm90DecodeAttention, Sm90DecodeAttentionCombine
     from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcWeights
     from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4GroupedGemm
+    from sm90_stand_ins import decode_attention_args, hc_weights_args, moe_gemm_args
 
     rows = []
     compile_op = cute_host.compile_op
@@ -73,31 +73,20 @@ def main() -> None:
                               device="cpu").warmup()
     for k in (512, 1024):  # V4-Flash's and V4-Pro's index top-k, 64 index heads of 128
         sm90_attention_indexer.warmup_indexer(64, 128, k, "cpu")
-    b, h, w, n, k, s = 2, 128, 128, 40, 16, 3
-    bf = dict(dtype=torch.bfloat16)
-    args = [torch.zeros(b, h, 512, **bf), torch.zeros(b, w, 512, **bf), torch.zeros(b, dtype=torch.int32),
-            torch.zeros(b, n, 512, **bf), torch.zeros(b, k, dtype=torch.int32), torch.zeros(h),
-            torch.zeros(b, h, 512, **bf), torch.zeros(b, h, s, 512), torch.zeros(b, h, s, 2)]
+    args = decode_attention_args()
     for mode in ("window", "dense", "indexed"):
         for cluster in (1, 2, 4):  # what pick_cluster returns
             compile_and_record(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, cluster=cluster), args)
     for groups in (1, 4):
         compile_and_record(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]])
-    compile_and_record(Sm90HcWeights(hc=4, iters=20, hc_eps=1e-6),
-                       [torch.zeros(3, 24), torch.zeros(24), torch.zeros(3), torch.zeros(3, 4), torch.zeros(3, 4),
-                        torch.zeros(3, 16)])
+    compile_and_record(Sm90HcWeights(hc=4, iters=20, hc_eps=1e-6), hc_weights_args(4))
     # a control that spills (64-token tiles, two row tiles: no layer picks it), so the check can be seen to fail
     layer = sm90_moe.Sm90NvFp4MoE(hidden=4096, intermediate=2048, experts=256, top_k=6, swiglu_limit=10.0,
                                   max_tokens=1, device="cpu")
     _, l1, _ = layer.kernels(64, False, 2)
     assert isinstance(l1, Sm90Nvfp4GroupedGemm)
-    from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
-    u8, i32 = dict(dtype=torch.uint8), dict(dtype=torch.int32)
-    fn = compile_op(l1, [torch.zeros(2, 4096, 2048, **u8), torch.zeros(2, swizzled_nbytes(4096, 256), **u8),
-                         torch.zeros(4), torch.zeros(3, 4096, dtype=torch.bfloat16), torch.zeros(18, **i32),
-                         torch.zeros(18), torch.zeros(9, 3, **i32), torch.zeros(1, **i32),
-                         torch.zeros(18, 2048, dtype=torch.bfloat16), torch.zeros(3, 4096)])
-    control = {"kernel": "control", "key": repr(l1.key()), "threads": l1.threads, **cubin_resources(fn.artifacts.CUBIN)}
+    compile_and_record(l1, moe_gemm_args(4096, 2048)[1])
+    control = rows.pop()
     print(json.dumps({"kernels": rows, "control": control}))
 
 

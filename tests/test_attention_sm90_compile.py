@@ -19,6 +19,7 @@ from nvfp4_megamoe.kernels.decode_attention_reference import (  # noqa: E402
     decode_attention_reference, decode_attention_torch)
 from nvfp4_megamoe.kernels.indexer_reference import indexer_scores, select_topk  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_topk  # noqa: E402
+from sm90_stand_ins import decode_attention_args  # noqa: E402
 
 
 def _case(b, h, w, n, k, gen):
@@ -145,11 +146,7 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not insta
 def test_decode_attention_compiles_sm90a(mode, chunk, stages):
     from nvfp4_megamoe.kernels.cute_host import compile_op
     from nvfp4_megamoe.kernels.sm90_decode_attention import Sm90DecodeAttention, Sm90DecodeAttentionCombine
-    b, h, w, n, k, s = 2, 128, 128, 40, 16, 3
-    bf = dict(dtype=torch.bfloat16)
-    args = [torch.zeros(b, h, 512, **bf), torch.zeros(b, w, 512, **bf), torch.zeros(b, dtype=torch.int32),
-            torch.zeros(b, n, 512, **bf), torch.zeros(b, k, dtype=torch.int32), torch.zeros(h),
-            torch.zeros(b, h, 512, **bf), torch.zeros(b, h, s, 512), torch.zeros(b, h, s, 2)]
+    args = decode_attention_args()
     assert compile_op(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, chunk=chunk, stages=stages), args) is not None
     if chunk >= 32:  # the cluster merge (distributed shared memory): pick_cluster's 2 and 4, the option's 8 and 16
         for cluster in (2, 4, 8, 16) if mode == "indexed" and chunk == 64 else (8,):

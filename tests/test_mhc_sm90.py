@@ -14,15 +14,14 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 from nvfp4_megamoe.kernels.mhc_reference import hc_weights  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcWeights, hc_weights_sm90  # noqa: E402
+from sm90_stand_ins import hc_weights_args  # noqa: E402
 
 
 @pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
 @pytest.mark.parametrize("hc,iters", [(4, 20), (2, 1)])
 def test_hc_weights_compiles_sm90a(hc, iters):
     from nvfp4_megamoe.kernels.cute_host import compile_op
-    n, m = 5, (2 + hc) * hc
-    args = [torch.zeros(n, m), torch.zeros(m), torch.zeros(3), torch.zeros(n, hc), torch.zeros(n, hc), torch.zeros(n, hc * hc)]
-    assert compile_op(Sm90HcWeights(hc=hc, iters=iters, hc_eps=1e-6), args) is not None
+    assert compile_op(Sm90HcWeights(hc=hc, iters=iters, hc_eps=1e-6), hc_weights_args(hc)) is not None
     with pytest.raises(ValueError, match="hc must be"):
         Sm90HcWeights(hc=9, iters=20, hc_eps=1e-6)
 

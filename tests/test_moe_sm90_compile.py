@@ -20,6 +20,7 @@ from nvfp4_megamoe.kernels.cute_host import compile_op  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4GroupedGemm  # noqa: E402
 from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes  # noqa: E402
+from sm90_stand_ins import moe_gemm_args  # noqa: E402
 
 if os.environ["CUTE_DSL_ARCH"] != "sm_90a":
     pytest.skip("CUTE_DSL_ARCH is set to another target", allow_module_level=True)
@@ -48,23 +49,10 @@ PDL = {"pdl": True, "pdl_prefetch": True, "l2_prefetch": 256}
     ("flash", 128, True, {"wg": {"l2_prefetch": 256}})])
 def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma, tuning):
     h, i, experts = V4[model]
-    top_k, t, e = 6, 3, 2  # a CPU stand-in with 2 experts: E and T are runtime sizes
-    routing, l1, l2 = Sm90NvFp4MoE.kernels(_Layer(h, i, experts, top_k, 10.0, tuning), tile_tokens, wgmma)
-    p = t * top_k
-    i32 = dict(dtype=torch.int32)
-    ids, wts = torch.zeros(p, dtype=torch.int64), torch.zeros(p)
-    tok, rank, tiles, ntiles = torch.zeros(p, **i32), torch.zeros(p, **i32), torch.zeros(9, 3, **i32), torch.zeros(1, **i32)
-    assert compile_op(routing, [ids, wts, tok, wts, tiles, ntiles, rank]) is not None
-    w13 = torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8)
-    s13 = torch.zeros(e, swizzled_nbytes(2 * i, h // 16), dtype=torch.uint8)
-    alpha = torch.zeros(e)
-    alpha_pairs = torch.zeros(2 * e)  # L1 takes the [E, 2] (gate, up) pairs flattened
-    x = torch.zeros(t, h, dtype=torch.bfloat16)
-    hbuf = torch.zeros(p, i, dtype=torch.bfloat16)
-    assert compile_op(l1, [w13, s13, alpha_pairs, x, tok, wts, tiles, ntiles, hbuf, torch.zeros(t, h)]) is not None
-    w2 = torch.zeros(e, h, i // 2, dtype=torch.uint8)
-    s2 = torch.zeros(e, swizzled_nbytes(h, i // 16), dtype=torch.uint8)
-    assert compile_op(l2, [w2, s2, alpha, hbuf, tok, wts, tiles, ntiles, torch.zeros(t, h), torch.zeros(t, h)]) is not None
+    routing, l1, l2 = Sm90NvFp4MoE.kernels(_Layer(h, i, experts, 6, 10.0, tuning), tile_tokens, wgmma)
+    # a CPU stand-in with 2 experts and 3 tokens: E and T are runtime sizes
+    for op, args in zip((routing, l1, l2), moe_gemm_args(h, i)):
+        assert compile_op(op, args) is not None
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])

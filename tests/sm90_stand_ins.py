@@ -1,0 +1,44 @@
+"""CPU stand-in operands for compiling the SM90 kernels without a GPU (``CUTE_DSL_ARCH=sm_90a``): the kernels
+specialise on dtypes, ranks and alignments only, so small zero tensors of the right kinds will do."""
+
+from __future__ import annotations
+
+import torch
+
+from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
+
+
+def decode_attention_args(b: int = 2, h: int = 128, w: int = 128, n: int = 40, k: int = 16, s: int = 3
+                          ) -> list[torch.Tensor]:
+    """q, kv_window, window_len, kv_compressed, indices, sink, out, o_part, ml of ``Sm90DecodeAttention``
+    (``Sm90DecodeAttentionCombine`` takes o_part, ml, sink, out)."""
+    bf = dict(dtype=torch.bfloat16)
+    return [torch.zeros(b, h, 512, **bf), torch.zeros(b, w, 512, **bf), torch.zeros(b, dtype=torch.int32),
+            torch.zeros(b, n, 512, **bf), torch.zeros(b, k, dtype=torch.int32), torch.zeros(h),
+            torch.zeros(b, h, 512, **bf), torch.zeros(b, h, s, 512), torch.zeros(b, h, s, 2)]
+
+
+def moe_gemm_args(h: int, i: int, e: int = 2, t: int = 3, top_k: int = 6
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The operands of the routing kernel, L1 and L2 of an MoE layer (H, I) with ``e`` experts and ``t`` tokens."""
+    p = t * top_k
+    i32 = dict(dtype=torch.int32)
+    ids, wts = torch.zeros(p, dtype=torch.int64), torch.zeros(p)
+    tok, rank, tiles, ntiles = torch.zeros(p, **i32), torch.zeros(p, **i32), torch.zeros(9, 3, **i32), torch.zeros(1, **i32)
+    w13 = torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8)
+    s13 = torch.zeros(e, swizzled_nbytes(2 * i, h // 16), dtype=torch.uint8)
+    alpha_pairs = torch.zeros(2 * e)  # L1 takes the [E, 2] (gate, up) pairs flattened
+    x = torch.zeros(t, h, dtype=torch.bfloat16)
+    hbuf = torch.zeros(p, i, dtype=torch.bfloat16)
+    w2 = torch.zeros(e, h, i // 2, dtype=torch.uint8)
+    s2 = torch.zeros(e, swizzled_nbytes(h, i // 16), dtype=torch.uint8)
+    return ([ids, wts, tok, wts, tiles, ntiles, rank],
+            [w13, s13, alpha_pairs, x, tok, wts, tiles, ntiles, hbuf, torch.zeros(t, h)],
+            [w2, s2, torch.zeros(e), hbuf, tok, wts, tiles, ntiles, torch.zeros(t, h), torch.zeros(t, h)])
+
+
+def hc_weights_args(hc: int, n: int = 5) -> list[torch.Tensor]:
+    """mixes, base, scale, pre, post, comb of ``Sm90HcWeights`` for ``n`` tokens."""
+    m = (2 + hc) * hc
+    return [torch.zeros(n, m), torch.zeros(m), torch.zeros(3), torch.zeros(n, hc), torch.zeros(n, hc),
+            torch.zeros(n, hc * hc)]
