@@ -261,14 +261,6 @@ def fence_operands(acc: list, *, loc=None, ip=None) -> list:
     return list(_unpack(res, n, T.f32(), Float32, loc, ip))
 
 
-@dsl_user_op
-def st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
-    """Store 4 bytes at a shared-memory (CTA window) address."""
-    llvm.inline_asm(
-        None, [Int32(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
-        "st.shared.b32 [$0], $1;", "r,r", has_side_effects=True, loc=loc, ip=ip)
-
-
 SW128_DESC_HI = (1 << 62) | ((1024 >> 4) << 32)  # 128B swizzle, SBO = 1024 B (8-row groups)
 
 
