@@ -95,6 +95,8 @@ def _copy_all(src_fd: int, start: int, count: int, fd: int, pos: int, path: Path
             raise _disk_error(exc, path) from None
         while done < count:
             chunk = os.pread(src_fd, min(COPY_CHUNK, count - done), start + done)
+            if not chunk:
+                raise _disk_error(OSError(errno.EIO, "source ended early"), path) from None
             _pwrite_all(fd, memoryview(chunk), pos + done, path)
             done += len(chunk)
 

@@ -3,6 +3,7 @@ hashing reads it back (blocks still waiting in memory included) to the sha256 of
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -105,3 +106,33 @@ def test_a_failed_background_write_is_raised(tmp_path):
         f.close()                              # ... or the wait for the last ones does
     f.abandon()
     os.close(fd)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_source_shorter_than_its_copy_is_refused(tmp_path, monkeypatch, direct):
+    """A source file that ends before the bytes a copy asks for (truncated under the converter) is an
+    OutputError naming the shard, on the O_DIRECT path and on the buffered one's read fallback (taken where
+    ``copy_file_range`` is refused), not a loop that never ends."""
+    from nvfp4_megamoe.convert import writer
+    from nvfp4_megamoe.convert.errors import OutputError
+
+    src = tmp_path / "source"
+    src.write_bytes(b"x" * 1000)
+    src_fd = os.open(src, os.O_RDONLY)
+    path = tmp_path / "shard"
+    try:
+        if direct:
+            fd, out = _open(tmp_path, 4096)
+            with pytest.raises(OutputError, match="shard.*source ended early"):
+                writer._copy_direct(src_fd, 0, 2000, out, 0, path)
+            out.abandon()
+        else:
+            def refused(*_):
+                raise OSError(errno.EXDEV, "cross-device")
+            monkeypatch.setattr(os, "copy_file_range", refused)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT)
+            with pytest.raises(OutputError, match="shard.*source ended early"):
+                writer._copy_all(src_fd, 0, 2000, fd, 0, path)
+        os.close(fd)
+    finally:
+        os.close(src_fd)
