@@ -63,7 +63,7 @@ def kernel_calls(res: dict) -> None:
         res[f"moe_layer_t{t}_us"] = host_us(lambda: layer(x, ids, wts, **w, out=out))
         if t == 1:
             _, l1, _ = layer.kernels(*layer.config(1))
-            args = [w["w13"], w["w13_scale"], w["w13_alpha"].reshape(-1), x, layer.token_of[:k], wts.reshape(-1),
+            args = [w["w13"], w["w13_scale"], w["w13_alpha"].reshape(-1), x, layer.zeros, wts.reshape(-1),
                     ids.reshape(k, 1), layer.num_tiles, layer.hbuf[:k], out]
             res["launch_us"] = host_us(lambda: cute_host.launch(l1, args))
     q = torch.randn(1, 64, 512, device="cuda", generator=gen).bfloat16()

@@ -23,6 +23,7 @@ compiles every configuration a layer can pick (:meth:`Sm90NvFp4MoE.config` for e
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
 
@@ -36,13 +37,27 @@ from .swizzle import swizzled_nbytes
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)
 WGMMA_MIN_MEAN = 8.0  # mean routed pairs per expert from which the WGMMA (prefill) kernels run
 # calls of up to this many tokens skip the routing kernel (one tile per routed pair). Measured on an H200
-# (docs/benchmarks.md): T = 2 3-5 % faster for V4-Flash and 1 % for V4-Pro; from T = 4 the experts repeated
-# across tokens cost more than the routing launch (V4-Pro T = 4 +2 %, T = 16 +18 %).
-DIRECT_MAX_TOKENS = 2
+# (docs/benchmarks.md), with ``block_columns``: T = 4 V4-Flash 116.0 -> 110.0 us, V4-Pro 272.9 -> 267.5 us; from
+# T = 8 the experts repeated across tokens cost more than the routing launch (V4-Pro T = 8 480 -> 523 us).
+DIRECT_MAX_TOKENS = 4
 # calls of up to this many tokens interleave the decode GEMMs' two row tiles (``interleave_rows``). Measured on an
 # H200 (docs/benchmarks.md), interleaved against not: T = 4 V4-Flash 128.6 -> 118.0 us, V4-Pro 285.5 -> 278.3 us;
 # T = 2 V4-Pro 174.8 -> 168.9 us; from T = 8 slower (V4-Flash T = 16 320.4 -> 342.9 us, V4-Pro T = 8 492.7 -> 508.2).
 INTERLEAVE_MAX_TOKENS = 4
+# direct calls of at least this many tokens apply the block scales to fp32 partial sums (``block_columns`` in
+# sm90_moe_gemm; fewer instructions per weight byte). Measured on an H200 (docs/benchmarks.md): T = 2 V4-Flash
+# 62.8 -> 60.9 us, V4-Pro 166.2 -> 164.7 us; but T = 1 V4-Flash 37.7 -> 40.2 us, V4-Pro 89.4 -> 91.3 us.
+BLOCK_COLUMNS_MIN_TOKENS = 2
+
+
+class MoeConfig(NamedTuple):
+    """What a call with T tokens runs (:meth:`Sm90NvFp4MoE.config`): the arguments of :meth:`Sm90NvFp4MoE.kernels`."""
+    tile_tokens: int
+    wgmma: bool
+    row_tiles: int
+    direct: bool
+    interleave: bool
+    block_columns: bool
 
 
 def _smallest_tile(need: float, choices: tuple[int, ...]) -> int:
@@ -118,20 +133,23 @@ class Sm90NvFp4MoE:
         self.num_tiles = torch.zeros(1, dtype=torch.int32, device=dev)
         self.hbuf = torch.empty(pairs, intermediate, dtype=torch.bfloat16, device=dev)
         self.xbuf = torch.empty(max_tokens, hidden, dtype=torch.bfloat16, device=dev)  # x in "staged" order
+        self.zeros = torch.zeros(max(hidden, intermediate) // 2, dtype=torch.int32, device=dev)  # an activation row
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
 
     def kernels(self, tile_tokens: int, wgmma: bool = False, row_tiles: int = 1, direct: bool = False,
-                interleave: bool = False) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
+                interleave: bool = False, block_columns: bool = False
+                ) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
         """The three kernel objects used for a token tile size (``wgmma``: the prefill GEMMs; ``row_tiles``:
         :func:`pick_row_tiles`, which explicit ``tuning`` keys override; ``direct``: the GEMMs walk the
         routed pairs themselves and the routing kernel is not launched; ``interleave``: the decode GEMMs'
-        ``interleave_rows``)."""
+        ``interleave_rows``; ``block_columns``: the direct GEMMs' ``block_columns``, both or neither)."""
         tuning = {**({"row_tiles": 2, "depth": 2} if row_tiles == 2 else {}), **getattr(self, "tuning", {})}
         l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
-        for key in ("wgmma", "wgmma_min_mean", "direct", "direct_max_tokens", "interleave_max_tokens"):
+        for key in ("wgmma", "wgmma_min_mean", "direct", "direct_max_tokens", "interleave_max_tokens",
+                    "block_columns", "block_columns_min_tokens"):
             tuning.pop(key, None)
         if direct:
-            tuning["direct_top_k"] = self.k
+            tuning.update(direct_top_k=self.k, block_columns=block_columns)
         tuning = {"interleave_rows": interleave, **tuning}
         wg_extra = {**wgmma_shape(tile_tokens), **tuning.pop("wg", {})}
         if wgmma:
@@ -146,11 +164,12 @@ class Sm90NvFp4MoE:
                 Sm90Nvfp4GroupedGemm(m=self.h, k=self.i, mode="scatter", tile_tokens=tile_tokens, b_order="lane",
                                      **{**tuning, **l2_extra}))
 
-    def config(self, tokens: int) -> tuple[int, bool, int, bool, bool]:
-        """(tile_tokens, wgmma, row_tiles, direct, interleave) of a call with ``tokens`` tokens: the arguments
-        of :meth:`kernels`. ``direct`` (no routing kernel) up to ``DIRECT_MAX_TOKENS`` tokens (``tuning`` key
-        ``"direct_max_tokens"``), never with ``tuning={"direct": False}``; ``interleave`` with two row tiles up
-        to ``INTERLEAVE_MAX_TOKENS`` (``tuning`` key ``"interleave_max_tokens"``)."""
+    def config(self, tokens: int) -> MoeConfig:
+        """What a call with ``tokens`` tokens runs. ``direct`` (no routing kernel) up to ``DIRECT_MAX_TOKENS``
+        tokens (``tuning`` key ``"direct_max_tokens"``), never with ``tuning={"direct": False}``; ``interleave``
+        with two row tiles up to ``INTERLEAVE_MAX_TOKENS`` (``"interleave_max_tokens"``); ``block_columns`` for
+        direct calls from ``BLOCK_COLUMNS_MIN_TOKENS`` (``"block_columns_min_tokens"``), never with
+        ``tuning={"block_columns": False}``."""
         tuning = getattr(self, "tuning", {})
         wg = tuning.get("wgmma")
         if wg is None:
@@ -161,7 +180,10 @@ class Sm90NvFp4MoE:
             rt = pick_row_tiles(tokens, self.k, self.e, 2 * self.i, self.sms)
         direct_max = tuning.get("direct_max_tokens", DIRECT_MAX_TOKENS) if tuning.get("direct", True) else 0
         interleave = rt == 2 and tokens <= tuning.get("interleave_max_tokens", INTERLEAVE_MAX_TOKENS)
-        return bn, wg, rt, tokens <= direct_max and not wg, interleave
+        direct = tokens <= direct_max and not wg
+        block_columns = bool(direct and tuning.get("block_columns", True)
+                             and tokens >= tuning.get("block_columns_min_tokens", BLOCK_COLUMNS_MIN_TOKENS))
+        return MoeConfig(bn, wg, rt, direct, interleave, block_columns)
 
     def warmup(self, ids_dtype: torch.dtype = torch.int32) -> int:
         """Compile every kernel configuration a call with 1 <= T <= ``max_tokens`` can pick (routing ids of
@@ -174,9 +196,10 @@ class Sm90NvFp4MoE:
         ids, wts = torch.empty(p, dtype=ids_dtype, device=dev), torch.empty(p, **f32)
         common = [self.token_of[:p], self.weight_of[:p], self.tiles, self.num_tiles]
         configs = {self.config(n) for n in range(1, self.max_tokens + 1)}
-        for bn, wg, rt, direct, interleave in configs:
-            routing, l1, l2 = self.kernels(bn, wg, rt, direct, interleave)
-            pairs = [self.token_of[:p], wts, ids.view(p, 1), self.num_tiles] if direct else common
+        for cfg in configs:
+            routing, l1, l2 = self.kernels(*cfg)
+            direct = cfg.direct
+            pairs = [self.zeros, wts, ids.view(p, 1), self.num_tiles] if direct else common
             if not direct:
                 _compile(routing, [ids, wts, *common, self.rank[:p]])
             _compile(l1, [w, sc, torch.empty(2, **f32), x, *pairs, self.hbuf[:p], out])
@@ -217,11 +240,12 @@ class Sm90NvFp4MoE:
         _expect(out.dtype == torch.float32 and tuple(out.shape) == (t, self.h) and out.is_contiguous(),
                 "out must be contiguous float32 [T, H]")
         pairs = t * self.k
-        bn, wg, rt, direct, interleave = self.config(t)
-        routing, l1, l2 = self.kernels(bn, wg, rt, direct, interleave)
+        bn, wg, _, direct, _, _ = cfg = self.config(t)
+        routing, l1, l2 = self.kernels(*cfg)
         token_of, hbuf = self.token_of[:pairs], self.hbuf[:pairs]
         if direct:  # one tile per routed pair, in [T, k] order: no sort, no routing launch
             tiles, weight_of = topk_ids.reshape(pairs, 1), topk_weights.reshape(-1)
+            token_of = self.zeros  # the pairs are in [T, k] order; block_columns reads zeros here
         else:
             tiles, weight_of = self.tiles[:max_tiles_for(pairs, self.e, bn)], self.weight_of[:pairs]
             _launch(routing, [topk_ids.reshape(-1), topk_weights.reshape(-1), token_of, weight_of, tiles,

@@ -49,6 +49,10 @@ from .swizzle import swizzled_nbytes
 
 K_TILE = 128  # logical K per tile: 16 bytes of one weight row per lane, 4 lanes per row
 MODES = ("swiglu", "scatter", "store")
+# block_columns: activations ride the MMA as x * 2**BC_X_LOG2, so that products with the unscaled decoded weights
+# (v * 2**-126) are normal floats for 2**-62 < |x| < 2**64; x * 2**64 is a BF16 bit pattern:
+BC_X_LOG2 = 64
+_BC_X_SCALE_BF16X2 = 0x5F805F80
 
 
 class Sm90Nvfp4GroupedGemm:
@@ -82,13 +86,18 @@ class Sm90Nvfp4GroupedGemm:
         h_order: ``"swiglu"``: K order ``h`` is written in (``k_order.ORDERS``).
         interleave_rows: decode every row tile of a k-tile first and interleave their MMAs (else one row tile
             after the other); the results are the same, only the schedule differs (``mma_ktile``).
+        block_columns: one-token tiles (``direct_top_k`` only) use the MMA's 8 columns for the k-tile's 8 scale
+            blocks instead of 8 tokens, so the block scales are applied to fp32 partial sums, 4 multiply-adds a
+            k-tile, instead of to every decoded weight word, 32 BF16 multiplies (``mma_ktile_block_columns``).
+            ``"swiglu"`` scales ``x`` by ``2**BC_X_LOG2`` in registers and writes ``h`` scaled so, which is
+            what ``"scatter"`` expects: both GEMMs of a layer must agree.
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
                  warps: int = 4, row_tiles: int = 1, depth: int = 4, b_depth: int | None = None,
                  split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
                  pdl_prefetch: bool = False, direct_top_k: int = 0, b_order: str = "logical",
-                 h_order: str = "logical", interleave_rows: bool = False):
+                 h_order: str = "logical", interleave_rows: bool = False, block_columns: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -121,7 +130,11 @@ class Sm90Nvfp4GroupedGemm:
         self.pdl_prefetch = pdl_prefetch and self.pdl and mode == "scatter"
         self.scale_bytes = swizzled_nbytes(m, k // 16)  # per expert
         self.kb4 = math.ceil(k // 16 / 4)  # 512-byte scale atoms per 128 rows
-        self.epi_scale = float(2 ** ptx.EPILOGUE_LOG2)
+        self.block_columns = block_columns
+        if block_columns and not (self.direct_top_k and self.nb == 1 and self.split_k == 1):
+            raise ValueError("block_columns needs one-token tiles: direct_top_k > 0, tile_tokens 8, split_k 1")
+        # the decoded weights are v * 2**-126 unscaled in this mode; x * 2**BC_X_LOG2 keeps the products normal
+        self.epi_scale = float(2 ** (126 - BC_X_LOG2 if block_columns else ptx.EPILOGUE_LOG2))
         # activations ride the register pipeline too (two k-tiles ahead) when they are few
         if b_depth is None:
             b_depth = 2 if self.nb == 1 else 0
@@ -132,7 +145,7 @@ class Sm90Nvfp4GroupedGemm:
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
                 self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
-                self.direct_top_k, self.b_order, self.h_order, self.interleave_rows)
+                self.direct_top_k, self.b_order, self.h_order, self.interleave_rows, self.block_columns)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -222,7 +235,8 @@ class Sm90Nvfp4GroupedGemm:
                 r = row_base + mt * 16 + g + h * 8
                 a_addr[mt, h] = w_base + Int64(r) * (k // 2)
                 s_addr[mt, h] = s_base + Int64((r // 128) * (self.kb4 * 512) + (r % 32) * 16 + ((r // 32) % 4) * 4)
-        b_addr = cute.make_rmem_tensor((self.nb,), Int64)
+        # B row addresses of each 8-token block, for each half of a lane's 64 activation bytes
+        b_addr = cute.make_rmem_tensor((self.nb, 2), Int64)
         x_base = mX.iterator.toint() + Int64(c * 64)
         for nb in cutlass.range_constexpr(self.nb):
             t = nb * 8 + g
@@ -231,7 +245,15 @@ class Sm90Nvfp4GroupedGemm:
             brow = begin + t
             if const_expr(self.mode == "swiglu"):
                 brow = self.token_of(mTok, brow)
-            b_addr[nb] = x_base + Int64(brow) * (k * 2)
+            for half in cutlass.range_constexpr(2):
+                b_addr[nb, half] = x_base + Int64(brow) * (k * 2)
+        if const_expr(self.block_columns):
+            # lane (g, c) feeds B column g, which holds the k-tile's scale block g: the first half of the lane's
+            # 32 k when g = 2c, the second when g = 2c + 1, else nothing; those halves read zeros (``mTok``)
+            zeros = mTok.iterator.toint() + Int64(c * 64)
+            for half in cutlass.range_constexpr(2):
+                if g != 2 * c + half:
+                    b_addr[0, half] = zeros
 
         # --- register pipeline of weight words and scale pairs ---
         D = self.depth
@@ -242,6 +264,7 @@ class Sm90Nvfp4GroupedGemm:
         acc.fill(0.0)
         DB = self.b_depth
         xbuf = cute.make_rmem_tensor((max(DB, 1), self.nb, 16), Int32)
+
         kt_last = kt0 + n_kt - 1
         for d in cutlass.range_constexpr(D):
             self.load_a(wbuf, sbuf, a_addr, s_addr, d, kt0 + d)
@@ -301,7 +324,7 @@ class Sm90Nvfp4GroupedGemm:
     def load_b(self, xbuf: cute.Tensor, b_addr: cute.Tensor, slot: cutlass.Constexpr, kt: Int32):
         for nb in cutlass.range_constexpr(self.nb):
             for q in cutlass.range_constexpr(4):
-                v = ptx.ld_global_v4_keep(b_addr[nb] + Int64(kt * 256 + q * 16))
+                v = ptx.ld_global_v4_keep(b_addr[nb, q // 2] + Int64(kt * 256 + q * 16))
                 for i in cutlass.range_constexpr(4):
                     if const_expr(slot is None):
                         xbuf[nb, q * 4 + i] = v[i]
@@ -314,28 +337,51 @@ class Sm90Nvfp4GroupedGemm:
         # schedule: interleaved, the row tiles' accumulator chains overlap, but ptxas takes more registers (V4-Flash
         # L2: 138 instead of 128, 3 CTAs per SM instead of 4). Which pays depends on T (``Sm90NvFp4MoE.config``).
         # decoded A words: a[mt, h, w, j] = (v_j, v_{j+4}) of word w of row h of row tile mt, times its block scale
+        # (block_columns: unscaled, and the MMAs go to per-k-tile sums ``d``, see below)
         a = cute.make_rmem_tensor((self.row_tiles, 2, 4, 4), Int32)
         steps = [(w, u, nb) for w in range(4) for u in range(2) for nb in range(self.nb)]
+        dst = acc
+        if const_expr(self.block_columns):
+            if const_expr(self.mode == "swiglu"):  # "scatter" reads h already scaled (the "swiglu" epilogue)
+                for i in cutlass.range_constexpr(16):
+                    xw[0, i] = ptx.mul_bf16x2(xw[0, i], Int32(_BC_X_SCALE_BF16X2))
+            dst = cute.make_rmem_tensor((self.row_tiles, 1, 4), Float32)
+            dst.fill(0.0)
         if const_expr(self.interleave_rows):
             for mt in cutlass.range_constexpr(self.row_tiles):
                 self.decode_rows(cw, cs, a, mt)
             for w, u, nb in steps:
                 for mt in cutlass.range_constexpr(self.row_tiles):
-                    self.mma_step(a, xw, acc, mt, w, u, nb)
+                    self.mma_step(a, xw, dst, mt, w, u, nb)
         else:
             for mt in cutlass.range_constexpr(self.row_tiles):
                 self.decode_rows(cw, cs, a, mt)
                 for w, u, nb in steps:
-                    self.mma_step(a, xw, acc, mt, w, u, nb)
+                    self.mma_step(a, xw, dst, mt, w, u, nb)
+        if const_expr(self.block_columns):
+            # Lane quad c's 32 k are scale blocks 2c (words 0, 1) and 2c + 1 (words 2, 3), and B column n is fed by
+            # block n's k alone (``tile``): so d[r, n] = (block n of row r) . x, unscaled, and the lane holding
+            # d[r, 2c + i] (accumulator i) is the lane that loaded that block's scale.
+            for mt in cutlass.range_constexpr(self.row_tiles):
+                for h in cutlass.range_constexpr(2):
+                    s0, s1 = ptx.e4m3x2_to_f32x2(cs[mt, h])
+                    acc[mt, 0, 2 * h] = acc[mt, 0, 2 * h] + s0 * dst[mt, 0, 2 * h]
+                    acc[mt, 0, 2 * h + 1] = acc[mt, 0, 2 * h + 1] + s1 * dst[mt, 0, 2 * h + 1]
 
     @cute.jit
     def decode_rows(self, cw: cute.Tensor, cs: cute.Tensor, a: cute.Tensor, mt: int):
         for h in cutlass.range_constexpr(2):
-            s01 = ptx.e4m3x2_to_bf16x2_pair(cs[mt, h], ptx.DECODE_BIAS)
-            for w in cutlass.range_constexpr(4):
-                r = ptx.decode_e2m1x8(cw[mt, h, w])
-                for j in cutlass.range_constexpr(4):
-                    a[mt, h, w, j] = ptx.mul_bf16x2(r[j], s01[w // 2])
+            if const_expr(self.block_columns):
+                for w in cutlass.range_constexpr(4):
+                    r = ptx.decode_e2m1x8(cw[mt, h, w])
+                    for j in cutlass.range_constexpr(4):
+                        a[mt, h, w, j] = r[j]
+            else:
+                s01 = ptx.e4m3x2_to_bf16x2_pair(cs[mt, h], ptx.DECODE_BIAS)
+                for w in cutlass.range_constexpr(4):
+                    r = ptx.decode_e2m1x8(cw[mt, h, w])
+                    for j in cutlass.range_constexpr(4):
+                        a[mt, h, w, j] = ptx.mul_bf16x2(r[j], s01[w // 2])
 
     @cute.jit
     def mma_step(self, a: cute.Tensor, xw: cute.Tensor, acc: cute.Tensor, mt: int, w: int, u: int, nb: int):
@@ -365,6 +411,13 @@ class Sm90Nvfp4GroupedGemm:
             scale_lo = mAlpha[expert] * Float32(self.epi_scale)
             scale_hi = scale_lo
         out_base = mOut.iterator.toint()
+        if const_expr(self.block_columns):
+            # a row's 8 block columns, 2 per lane of its quad, summed where the epilogue reads the tile's token
+            for mt in cutlass.range_constexpr(self.row_tiles):
+                for h in cutlass.range_constexpr(2):
+                    v = acc[mt, 0, 2 * h] + acc[mt, 0, 2 * h + 1]
+                    v = v + cute.arch.shuffle_sync_bfly(v, 1)
+                    acc[mt, 0, 2 * h] = v + cute.arch.shuffle_sync_bfly(v, 2)
         for mt in cutlass.range_constexpr(self.row_tiles):
             r0 = row_base + mt * 16 + g
             for nb in cutlass.range_constexpr(self.nb):
@@ -381,6 +434,8 @@ class Sm90Nvfp4GroupedGemm:
                                 gate = cute.arch.fmin(gate, lim)
                                 up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
                             hval = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
+                            if const_expr(self.block_columns):
+                                hval = hval * Float32(2.0 ** BC_X_LOG2)  # the scale "scatter" expects of h
                             j = k_order.position((row_base + mt * 16) // 2 + g, self.h_order)
                             addr = out_base + (Int64(p) * (self.m // 2) + Int64(j)) * 2
                             ptx.st_global_b16(addr, ptx.f32x2_to_bf16x2(hval, hval))

@@ -91,6 +91,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         self.swiglu_limit = swiglu_limit
         self.out_bf16 = False
         self.direct_top_k = 0            # prefill only: the routing kernel always runs
+        self.block_columns = False
         if l2_prefetch not in ptx.L2_PREFETCH_BYTES:
             raise ValueError(f"l2_prefetch must be one of {ptx.L2_PREFETCH_BYTES}, got {l2_prefetch}")
         self.l2_prefetch = l2_prefetch

@@ -117,6 +117,21 @@ def e4m3x2_to_bf16x2_pair(sf: Int32, log2_bias: int, *, loc=None, ip=None) -> tu
     return _unpack(res, 2, T.i32(), Int32, loc, ip)
 
 
+@dsl_user_op
+def e4m3x2_to_f32x2(sf: Int32, *, loc=None, ip=None) -> tuple[Float32, Float32]:
+    """Two E4M3 bytes (low 16 bits of ``sf``, first in the low byte) -> two floats, exact."""
+    res = llvm.inline_asm(
+        _struct(2, "f32"), [Int32(sf).ir_value(loc=loc, ip=ip)],
+        "{.reg .b16 lo, hi; .reg .b32 h2;\n\t"
+        "mov.b32 {lo, hi}, $2;\n\t"
+        "cvt.rn.f16x2.e4m3x2 h2, lo;\n\t"
+        "mov.b32 {lo, hi}, h2;\n\t"
+        "cvt.f32.f16 $0, lo;\n\t"
+        "cvt.f32.f16 $1, hi;}",
+        "=f,=f,r", has_side_effects=False, loc=loc, ip=ip)
+    return _unpack(res, 2, T.f32(), Float32, loc, ip)
+
+
 # Decoding E2M1 without a table. A code s|e1 e0 m placed as BF16 bits ``s<<15 | (e1 e0 m)<<6``
 # reads as ``value * 2**-126`` for every code, the subnormal 0.5 included (exponent field e,
 # top mantissa bit m). So 8 nibbles v0..v7 of a word give 4 BF16x2 words R_j = (v_j, v_{j+4}):

@@ -112,27 +112,32 @@ def test_warmup_compiles_every_configuration_a_call_can_pick():
     layer = Sm90NvFp4MoE(hidden=4096, intermediate=2048, experts=256, top_k=6, swiglu_limit=10.0,
                          max_tokens=400, device="cpu")
     picked = {layer.config(t) for t in range(1, 401)}
-    # T = 1: one row tile, then two; no routing kernel up to T = 2; row tiles interleaved up to T = 4;
-    # from 342 tokens (8 pairs per expert) the WGMMA kernels
-    assert layer.config(1) == (8, False, 1, True, False) and layer.config(2) == (8, False, 2, True, True)
-    assert layer.config(3)[3] is False and layer.config(4) == (8, False, 2, False, True)
-    assert layer.config(5) == (8, False, 2, False, False)
-    assert any(wg for _, wg, _, _, _ in picked)
+    # T = 1: one row tile, then two; no routing kernel and row tiles interleaved up to T = 4, block scales on
+    # the partial sums from T = 2; from 342 tokens (8 pairs per expert) the WGMMA kernels
+    assert layer.config(1) == (8, False, 1, True, False, False) and layer.config(2) == (8, False, 2, True, True, True)
+    assert layer.config(4) == (8, False, 2, True, True, True)
+    assert layer.config(5) == (8, False, 2, False, False, False)
+    assert any(cfg.wgmma for cfg in picked)
     assert layer.warmup() == len(picked)
-    for bn, wg, rt, direct, interleave in picked:
-        routing, l1, l2 = layer.kernels(bn, wg, rt, direct, interleave)
-        assert l1.key()[-1] is interleave or wg
-        for op in (l1, l2) if direct else (routing, l1, l2):
-            assert any(key[1] == op.key() for key in cute_host._COMPILED), (bn, wg, rt, type(op).__name__)
+    for cfg in picked:
+        routing, l1, l2 = layer.kernels(*cfg)
+        assert cfg.wgmma or (l1.interleave_rows is cfg.interleave and l2.block_columns is cfg.block_columns)
+        for op in (l1, l2) if cfg.direct else (routing, l1, l2):
+            assert any(key[1] == op.key() for key in cute_host._COMPILED), (cfg, type(op).__name__)
 
 
-@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
-def test_direct_gemms_compile_sm90a(ids_dtype):
-    """One token: the GEMMs read topk_ids [P, 1] and topk_weights [P] themselves (no routing kernel)."""
+@pytest.mark.parametrize("ids_dtype,block_columns", [(torch.int32, True), (torch.int64, True), (torch.int32, False)])
+def test_direct_gemms_compile_sm90a(ids_dtype, block_columns):
+    """A few tokens: the GEMMs read topk_ids [P, 1] and topk_weights [P] themselves (no routing kernel), with or
+    without the block scales applied to fp32 partial sums (``block_columns``, which needs those one-token tiles)."""
     h, i, experts = V4["flash"]
     layer = _Layer(h, i, experts, 6, 10.0)
-    _, l1, l2 = Sm90NvFp4MoE.kernels(layer, 8, False, 1, direct=True)
+    _, l1, l2 = Sm90NvFp4MoE.kernels(layer, 8, False, 1, direct=True, block_columns=block_columns)
     assert l1.direct_top_k == 6 and l2.direct_top_k == 6 and not l1.pdl
+    assert l1.block_columns is block_columns and l2.block_columns is block_columns
+    assert not Sm90NvFp4MoE.kernels(_Layer(h, i, experts, 6, 10.0), 8, False, 1)[1].block_columns
+    with pytest.raises(ValueError, match="one-token tiles"):
+        Sm90Nvfp4GroupedGemm(m=2 * i, k=h, mode="swiglu", block_columns=True)
     e, p = 2, 6
     ids, wts, tok, ntiles = torch.zeros(p, 1, dtype=ids_dtype), torch.zeros(p), torch.zeros(p, dtype=torch.int32), \
         torch.zeros(1, dtype=torch.int32)

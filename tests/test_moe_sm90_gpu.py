@@ -94,9 +94,13 @@ TUNED = [
     ("flash", 1, "uniform", {"direct": False}),    # one token through the routing kernel (default: direct)
     ("pro", 1, "skewed", {"direct": False}),
     # several tokens as one tile per routed pair (no routing kernel), experts repeated across tokens
-    ("small", 3, "skewed", {"direct_max_tokens": 4}),
+    ("small", 3, "skewed", {"block_columns": False}),
     ("flash", 4, "skewed", {"direct_max_tokens": 8}),
     ("pro", 7, "uniform", {"direct_max_tokens": 8}),
+    # the direct path with the block scales on the fp32 partial sums at T = 1 (default from T = 2), and on the
+    # decoded weights at T = 2
+    ("flash", 1, "uniform", {"block_columns_min_tokens": 1}),
+    ("pro", 2, "skewed", {"block_columns": False, "row_tiles": 1, "depth": 4}),
 ]
 
 
@@ -124,6 +128,26 @@ def test_moe_matches_reference(shape, tokens, kind, tuning=None):
     err = _relerr(out, ref)
     assert err <= 1e-2, f"relative error {err:.3e}"
     assert float(ref.abs().mean()) > 1e-2
+
+
+@pytest.mark.parametrize("scale", [2.0 ** -40, 2.0 ** 40])
+@pytest.mark.parametrize("shape,tokens", [("flash", 4), ("pro", 2)])
+def test_direct_moe_holds_for_small_and_large_activations(shape, tokens, scale):
+    """The direct path carries x and h as 2**64 times their values (``block_columns``): inputs 2**-40 or 2**40
+    times the usual size still match the reference to the same relative error."""
+    h, i, e, k = SHAPES[shape]
+    w = _weights(shape)
+    layer = _layer(shape)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = (torch.randn(tokens, h, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+    ids, wts = routing(tokens, e, k, "uniform", gen)
+    out = torch.full((tokens, h), float("nan"), device="cuda")
+    layer(x, ids, wts, **w, out=out)
+    torch.cuda.synchronize()
+    ref = moe_reference(x, ids, wts, **w, swiglu_limit=10.0)
+    assert torch.isfinite(out).all() and float(ref.abs().max()) > 0
+    err = _relerr(out, ref)
+    assert err <= 1e-2, f"relative error {err:.3e}"
 
 
 @pytest.mark.parametrize("t", [37, 1])
