@@ -27,6 +27,7 @@ from gpu_timing import ColdTimer, capture, measure_bf16_matmul, measure_copy  # 
 
 from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
 from nvfp4_megamoe.kernels.nvfp4_reference import decode_weight
+from nvfp4_megamoe.kernels.row_tiles import tile_rows
 from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
 
 MODELS = {"V4-Flash": (4096, 2048, 256, 6), "V4-Pro": (7168, 3072, 384, 6)}
@@ -188,6 +189,8 @@ def main() -> None:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--variant-max-tokens", type=int, default=1 << 30)
     ap.add_argument("--ours-tuning", default="{}", help="JSON tuning of the main configuration of ours")
+    ap.add_argument("--weight-tiles", action="store_true",
+                    help="ours reads w13 and w2 in Hopper row tiles (converter --target sm90); a variant: \"_weight_tiles\"")
     ap.add_argument("--variants", default="{}", help='JSON {"ours_name": {tuning kwargs}} of extra configurations of ours')
     args = ap.parse_args()
     base_impls = args.impls.split(",")
@@ -205,7 +208,8 @@ def main() -> None:
         w = random_moe_weights(e, h, i, generator=gen, device="cuda", distinct_halves=False)
         per_expert = (w["w13"][0].numel() + w["w13_scale"][0].numel() + w["w2"][0].numel() + w["w2_scale"][0].numel())
         layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=max(tokens),
-                             tuning=json.loads(args.ours_tuning))
+                             tuning=json.loads(args.ours_tuning), weight_tiles=args.weight_tiles)
+        w_tiled = None  # w13 and w2 in Hopper row tiles, for the layers that read them so
         w13b = w2b = None
         quack = None
         humming = None
@@ -214,8 +218,9 @@ def main() -> None:
         for name, tune in json.loads(args.variants).items():
             tune = dict(tune)
             variant_tokens[name] = tune.pop("_tokens", None)  # the T values this variant runs at (None: all)
+            tiles = tune.pop("_weight_tiles", False)  # w13 and w2 in Hopper row tiles (--target sm90)
             variants[name] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT,
-                                          max_tokens=max(tokens), tuning=tune)
+                                          max_tokens=max(tokens), tuning=tune, weight_tiles=tiles)
             impls = [m for m in impls if m != name] + [name]
         if "torch_bf16" in impls:
             w13b = torch.stack([decode_weight(w["w13"][j], w["w13_scale"][j], w["w13_alpha"][j, 0]).to(torch.bfloat16)
@@ -241,7 +246,10 @@ def main() -> None:
                 try:
                     if impl.startswith("ours"):
                         lay = layer if impl == "ours" else variants[impl]
-                        fn = lambda: lay(x, ids, wts, **w, out=out)  # noqa: E731
+                        if lay.weight_tiles and w_tiled is None:
+                            w_tiled = {**w, "w13": tile_rows(w["w13"]), "w2": tile_rows(w["w2"])}
+                        ww = w_tiled if lay.weight_tiles else w
+                        fn = lambda: lay(x, ids, wts, **ww, out=out)  # noqa: E731
                     elif impl == "torch_bf16":
                         run = torch_bf16_layer(w13b, w2b, e, k)
                         fn = lambda: run(x, ids, wts, out)  # noqa: E731

@@ -44,10 +44,10 @@ DIRECT_MAX_TOKENS = 4
 # H200 (docs/benchmarks.md), interleaved against not: T = 4 V4-Flash 128.6 -> 118.0 us, V4-Pro 285.5 -> 278.3 us;
 # T = 2 V4-Pro 174.8 -> 168.9 us; from T = 8 slower (V4-Flash T = 16 320.4 -> 342.9 us, V4-Pro T = 8 492.7 -> 508.2).
 INTERLEAVE_MAX_TOKENS = 4
-# direct calls of at least this many tokens apply the block scales to fp32 partial sums (``block_columns`` in
-# sm90_moe_gemm; fewer instructions per weight byte). Measured on an H200 (docs/benchmarks.md): T = 2 V4-Flash
-# 62.8 -> 60.9 us, V4-Pro 166.2 -> 164.7 us; but T = 1 V4-Flash 37.7 -> 40.2 us, V4-Pro 89.4 -> 91.3 us.
-BLOCK_COLUMNS_MIN_TOKENS = 2
+# Direct calls with two row tiles apply the block scales to fp32 partial sums (``block_columns`` in sm90_moe_gemm;
+# fewer instructions per weight byte). Measured on an H200 (docs/benchmarks.md), with two row tiles: V4-Pro T = 1
+# 93.8 -> 88.6 us, T = 2 V4-Flash 62.8 -> 60.9 us, V4-Pro 166.2 -> 164.7 us; with one (V4-Flash T = 1) slower,
+# 37.4 -> 41.1 us.
 
 
 class MoeConfig(NamedTuple):
@@ -115,12 +115,15 @@ class Sm90NvFp4MoE:
         tuning: extra keyword arguments for both ``Sm90Nvfp4GroupedGemm`` (e.g. ``depth``, ``warps``), under the
             key ``"wg"`` for both ``Sm90Nvfp4WgmmaGemm``, and under ``"l1"`` / ``"l2"`` for one GEMM of either
             path (e.g. ``{"l2": {"split_k": 2}}``).
+        weight_tiles: ``w13`` and ``w2`` are in Hopper row tiles (``row_tiles``, converter ``--target sm90``)
+            instead of row-major.
     """
 
     def __init__(self, *, hidden: int, intermediate: int, experts: int, top_k: int,
                  swiglu_limit: float | None, max_tokens: int, device: torch.device | str = "cuda",
-                 tuning: dict | None = None):
+                 tuning: dict | None = None, weight_tiles: bool = False):
         self.h, self.i, self.e, self.k = hidden, intermediate, experts, top_k
+        self.weight_tiles = weight_tiles
         self.limit = swiglu_limit
         self.max_tokens = max_tokens
         self.tuning = dict(tuning or {})
@@ -146,12 +149,12 @@ class Sm90NvFp4MoE:
         tuning = {**({"row_tiles": 2, "depth": 2} if row_tiles == 2 else {}), **getattr(self, "tuning", {})}
         l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
         for key in ("wgmma", "wgmma_min_mean", "direct", "direct_max_tokens", "interleave_max_tokens",
-                    "block_columns", "block_columns_min_tokens"):
+                    "block_columns"):
             tuning.pop(key, None)
         if direct:
             tuning.update(direct_top_k=self.k, block_columns=block_columns)
-        tuning = {"interleave_rows": interleave, **tuning}
-        wg_extra = {**wgmma_shape(tile_tokens), **tuning.pop("wg", {})}
+        tuning = {"interleave_rows": interleave, "weight_tiles": self.weight_tiles, **tuning}
+        wg_extra = {**wgmma_shape(tile_tokens), "weight_tiles": self.weight_tiles, **tuning.pop("wg", {})}
         if wgmma:
             return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
                     Sm90Nvfp4WgmmaGemm(m=2 * self.i, k=self.h, mode="swiglu", tile_tokens=tile_tokens,
@@ -168,8 +171,7 @@ class Sm90NvFp4MoE:
         """What a call with ``tokens`` tokens runs. ``direct`` (no routing kernel) up to ``DIRECT_MAX_TOKENS``
         tokens (``tuning`` key ``"direct_max_tokens"``), never with ``tuning={"direct": False}``; ``interleave``
         with two row tiles up to ``INTERLEAVE_MAX_TOKENS`` (``"interleave_max_tokens"``); ``block_columns`` for
-        direct calls from ``BLOCK_COLUMNS_MIN_TOKENS`` (``"block_columns_min_tokens"``), never with
-        ``tuning={"block_columns": False}``."""
+        direct calls with two row tiles (``tuning`` key ``"block_columns"``: True / False for every direct call)."""
         tuning = getattr(self, "tuning", {})
         wg = tuning.get("wgmma")
         if wg is None:
@@ -181,8 +183,7 @@ class Sm90NvFp4MoE:
         direct_max = tuning.get("direct_max_tokens", DIRECT_MAX_TOKENS) if tuning.get("direct", True) else 0
         interleave = rt == 2 and tokens <= tuning.get("interleave_max_tokens", INTERLEAVE_MAX_TOKENS)
         direct = tokens <= direct_max and not wg
-        block_columns = bool(direct and tuning.get("block_columns", True)
-                             and tokens >= tuning.get("block_columns_min_tokens", BLOCK_COLUMNS_MIN_TOKENS))
+        block_columns = bool(direct and tuning.get("block_columns", rt == 2))
         return MoeConfig(bn, wg, rt, direct, interleave, block_columns)
 
     def warmup(self, ids_dtype: torch.dtype = torch.int32) -> int:

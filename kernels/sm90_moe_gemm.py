@@ -45,6 +45,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from . import k_order
 from . import sm90_ptx as ptx
+from .row_tiles import ROWS, TILE_BYTES
 from .swizzle import swizzled_nbytes
 
 K_TILE = 128  # logical K per tile: 16 bytes of one weight row per lane, 4 lanes per row
@@ -91,13 +92,15 @@ class Sm90Nvfp4GroupedGemm:
             k-tile, instead of to every decoded weight word, 32 BF16 multiplies (``mma_ktile_block_columns``).
             ``"swiglu"`` scales ``x`` by ``2**BC_X_LOG2`` in registers and writes ``h`` scaled so, which is
             what ``"scatter"`` expects: both GEMMs of a layer must agree.
+        weight_tiles: ``w`` is in Hopper row tiles (``row_tiles``, converter ``--target sm90``), not row-major.
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
                  warps: int = 4, row_tiles: int = 1, depth: int = 4, b_depth: int | None = None,
                  split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
                  pdl_prefetch: bool = False, direct_top_k: int = 0, b_order: str = "logical",
-                 h_order: str = "logical", interleave_rows: bool = False, block_columns: bool = False):
+                 h_order: str = "logical", interleave_rows: bool = False, block_columns: bool = False,
+                 weight_tiles: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -131,6 +134,8 @@ class Sm90Nvfp4GroupedGemm:
         self.scale_bytes = swizzled_nbytes(m, k // 16)  # per expert
         self.kb4 = math.ceil(k // 16 / 4)  # 512-byte scale atoms per 128 rows
         self.block_columns = block_columns
+        self.weight_tiles = weight_tiles
+        self.kt_bytes = ROWS * TILE_BYTES if weight_tiles else TILE_BYTES  # from one k-tile of a row to the next
         if block_columns and not (self.direct_top_k and self.nb == 1 and self.split_k == 1):
             raise ValueError("block_columns needs one-token tiles: direct_top_k > 0, tile_tokens 8, split_k 1")
         # the decoded weights are v * 2**-126 unscaled in this mode; x * 2**BC_X_LOG2 keeps the products normal
@@ -145,7 +150,8 @@ class Sm90Nvfp4GroupedGemm:
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
                 self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
-                self.direct_top_k, self.b_order, self.h_order, self.interleave_rows, self.block_columns)
+                self.direct_top_k, self.b_order, self.h_order, self.interleave_rows, self.block_columns,
+                self.weight_tiles)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -233,7 +239,7 @@ class Sm90Nvfp4GroupedGemm:
         for mt in cutlass.range_constexpr(self.row_tiles):
             for h in cutlass.range_constexpr(2):
                 r = row_base + mt * 16 + g + h * 8
-                a_addr[mt, h] = w_base + Int64(r) * (k // 2)
+                a_addr[mt, h] = self.weight_row(w_base, r)
                 s_addr[mt, h] = s_base + Int64((r // 128) * (self.kb4 * 512) + (r % 32) * 16 + ((r // 32) % 4) * 4)
         # B row addresses of each 8-token block, for each half of a lane's 64 activation bytes
         b_addr = cute.make_rmem_tensor((self.nb, 2), Int64)
@@ -269,11 +275,14 @@ class Sm90Nvfp4GroupedGemm:
         for d in cutlass.range_constexpr(D):
             self.load_a(wbuf, sbuf, a_addr, s_addr, d, kt0 + d)
         if const_expr(self.pdl_prefetch):
-            if c == 0:  # one lane per row: the rest of the row's slice, a 128-byte line per two k-tiles
+            # one lane per row: the rest of the row's slice, a 128-byte line per two k-tiles (row tiles: the
+            # row's 64 bytes of every k-tile, which two rows share a line of)
+            step = 1 if self.weight_tiles else 2
+            if c == 0:
                 for mt in cutlass.range_constexpr(self.row_tiles):
                     for h in cutlass.range_constexpr(2):
-                        for j in cutlass.range((kt0 + D) // 2, (kt0 + n_kt) // 2, unroll=1):
-                            ptx.prefetch_l2(a_addr[mt, h] + Int64(j * 128))
+                        for j in cutlass.range((kt0 + D) // step, (kt0 + n_kt) // step, unroll=1):
+                            ptx.prefetch_l2(a_addr[mt, h] + Int64(j * step * self.kt_bytes))
         if const_expr(self.pdl and self.mode == "scatter"):
             cute.arch.griddepcontrol_wait()  # L1's h (the B operand) is complete from here
         for d in cutlass.range_constexpr(DB):
@@ -310,12 +319,18 @@ class Sm90Nvfp4GroupedGemm:
 
         self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
 
+    def weight_row(self, w_base: Int64, r: Int32) -> Int64:
+        """Where weight row ``r`` of the expert at ``w_base`` starts its first k-tile (``weight_tiles``: row tiles)."""
+        if const_expr(self.weight_tiles):
+            return w_base + Int64(r // ROWS) * (ROWS * (self.k // 2)) + Int64((r % ROWS) * TILE_BYTES)
+        return w_base + Int64(r) * (self.k // 2)
+
     @cute.jit
     def load_a(self, wbuf: cute.Tensor, sbuf: cute.Tensor, a_addr: cute.Tensor, s_addr: cute.Tensor,
                slot: cutlass.Constexpr[int], kt: Int32):
         for mt in cutlass.range_constexpr(self.row_tiles):
             for h in cutlass.range_constexpr(2):
-                v = ptx.ld_global_v4(a_addr[mt, h] + Int64(kt * 64), self.l2_prefetch)
+                v = ptx.ld_global_v4(a_addr[mt, h] + Int64(kt * self.kt_bytes), self.l2_prefetch)
                 for i in cutlass.range_constexpr(4):
                     wbuf[slot, mt, h, i] = v[i]
                 sbuf[slot, mt, h] = ptx.ld_global_u16(s_addr[mt, h] + Int64(kt * 1024))

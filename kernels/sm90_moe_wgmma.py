@@ -32,6 +32,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from . import k_order
 from . import sm90_ptx as ptx
+from .row_tiles import ROWS, TILE_BYTES
 from .sm90_moe_gemm import K_TILE, Sm90Nvfp4GroupedGemm
 
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
@@ -50,11 +51,13 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         min_ctas: CTAs that must fit on one SM (``ptxas`` caps the registers to match; 1: no cap).
         l2_ahead: k-tiles ahead of the register pipeline that each warp's weight rows are prefetched into
             the L2 (``prefetch.global.L2``; 0: none).
+        weight_tiles: ``w`` is in Hopper row tiles (``row_tiles``), not row-major.
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 128, swiglu_limit: float | None = None,
                  warpgroups: int = 2, depth: int = 4, l2_prefetch: int = 0, stages: int = 4,
-                 h_order: str = "staged", min_ctas: int = 1, l2_ahead: int = 0, **_ignored):
+                 h_order: str = "staged", min_ctas: int = 1, l2_ahead: int = 0, weight_tiles: bool = False,
+                 **_ignored):
         if mode not in ("swiglu", "scatter"):
             raise ValueError(f"the wgmma GEMM has modes swiglu/scatter, got {mode!r}")
         if tile_tokens % 16 or not 16 <= tile_tokens <= 256:
@@ -92,6 +95,8 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         self.out_bf16 = False
         self.direct_top_k = 0            # prefill only: the routing kernel always runs
         self.block_columns = False
+        self.weight_tiles = weight_tiles
+        self.kt_bytes = ROWS * TILE_BYTES if weight_tiles else TILE_BYTES
         if l2_prefetch not in ptx.L2_PREFETCH_BYTES:
             raise ValueError(f"l2_prefetch must be one of {ptx.L2_PREFETCH_BYTES}, got {l2_prefetch}")
         self.l2_prefetch = l2_prefetch
@@ -106,7 +111,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
 
     def key(self) -> tuple:
         return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth, self.l2_prefetch,
-                self.stages, self.h_order, self.min_ctas, self.l2_ahead)
+                self.stages, self.h_order, self.min_ctas, self.l2_ahead, self.weight_tiles)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -153,7 +158,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         s_addr = cute.make_rmem_tensor((1, 2), Int64)
         for h in cutlass.range_constexpr(2):
             wr = row_base + g + h * 8
-            a_addr[0, h] = w_base + Int64(wr) * (k // 2)
+            a_addr[0, h] = self.weight_row(w_base, wr)
             s_addr[0, h] = s_base + Int64((wr // 128) * (self.kb4 * 512) + (wr % 32) * 16 + ((wr // 32) % 4) * 4)
 
         # --- activation staging: this thread's 16-byte chunks (fixed column chunk, rows n0 + 16 i * wgs) ---
@@ -209,7 +214,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                     far = kt + D + self.l2_ahead
                     if far < n_kt:
                         for h in cutlass.range_constexpr(2):
-                            ptx.prefetch_l2(a_addr[0, h] + Int64(far * 64), evict_last=False)
+                            ptx.prefetch_l2(a_addr[0, h] + Int64(far * self.kt_bytes), evict_last=False)
                 cute.arch.cp_async_wait_group(S - 3)      # this thread's copies of B(kt) landed
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier()                        # ... everyone's; and B(kt - 2)'s stage is free

@@ -31,25 +31,30 @@ V4 = {"flash": (4096, 2048, 256), "pro": (7168, 3072, 384)}
 class _Layer:
     """The attributes Sm90NvFp4MoE.kernels reads, without allocating CUDA workspaces."""
 
-    def __init__(self, h, i, e, k, limit, tuning=None):
+    def __init__(self, h, i, e, k, limit, tuning=None, weight_tiles=False):
         self.h, self.i, self.e, self.k, self.limit = h, i, e, k, limit
-        self.tuning = tuning or {}
+        self.tuning, self.weight_tiles = tuning or {}, weight_tiles
 
 
 # the tunings: PDL with and without the L2 prefetch of the L2 weights, the L2 load hints, deeper pipelines
 PDL = {"pdl": True, "pdl_prefetch": True, "l2_prefetch": 256}
 
 
-@pytest.mark.parametrize("model,tile_tokens,wgmma,tuning", [
-    ("flash", 8, False, None), ("flash", 64, False, None), ("pro", 8, False, None), ("pro", 64, False, None),
-    ("flash", 8, False, PDL), ("pro", 16, False, {"pdl": True, "l2_prefetch": 128, "l2": {"split_k": 2}}),
-    ("flash", 8, False, {"depth": 8, "l2_prefetch": 64}),
-    ("pro", 16, False, {"row_tiles": 2, "depth": 2, "pdl": True, "l2": {"split_k": 2}}),
-    ("flash", 32, True, None), ("flash", 80, True, None), ("flash", 128, True, None), ("pro", 96, True, None),
-    ("flash", 128, True, {"wg": {"l2_prefetch": 256}})])
-def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma, tuning):
+@pytest.mark.parametrize("model,tile_tokens,wgmma,tuning,tiles", [
+    ("flash", 8, False, None, False), ("flash", 64, False, None, False), ("pro", 8, False, None, False),
+    ("pro", 64, False, None, False), ("flash", 8, False, PDL, False),
+    ("pro", 16, False, {"pdl": True, "l2_prefetch": 128, "l2": {"split_k": 2}}, False),
+    ("flash", 8, False, {"depth": 8, "l2_prefetch": 64}, False),
+    ("pro", 16, False, {"row_tiles": 2, "depth": 2, "pdl": True, "l2": {"split_k": 2}}, False),
+    ("flash", 32, True, None, False), ("flash", 80, True, None, False), ("flash", 128, True, None, False),
+    ("pro", 96, True, None, False), ("flash", 128, True, {"wg": {"l2_prefetch": 256}}, False),
+    # weights in Hopper row tiles (converter --target sm90)
+    ("flash", 8, False, PDL, True), ("pro", 16, False, {"row_tiles": 2, "depth": 2}, True),
+    ("flash", 128, True, None, True)])
+def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma, tuning, tiles):
     h, i, experts = V4[model]
-    routing, l1, l2 = Sm90NvFp4MoE.kernels(_Layer(h, i, experts, 6, 10.0, tuning), tile_tokens, wgmma)
+    routing, l1, l2 = Sm90NvFp4MoE.kernels(_Layer(h, i, experts, 6, 10.0, tuning, tiles), tile_tokens, wgmma)
+    assert l1.weight_tiles is tiles and l2.weight_tiles is tiles
     # a CPU stand-in with 2 experts and 3 tokens: E and T are runtime sizes
     for op, args in zip((routing, l1, l2), moe_gemm_args(h, i)):
         assert compile_op(op, args) is not None
@@ -113,7 +118,7 @@ def test_warmup_compiles_every_configuration_a_call_can_pick():
                          max_tokens=400, device="cpu")
     picked = {layer.config(t) for t in range(1, 401)}
     # T = 1: one row tile, then two; no routing kernel and row tiles interleaved up to T = 4, block scales on
-    # the partial sums from T = 2; from 342 tokens (8 pairs per expert) the WGMMA kernels
+    # the partial sums with two row tiles; from 342 tokens (8 pairs per expert) the WGMMA kernels
     assert layer.config(1) == (8, False, 1, True, False, False) and layer.config(2) == (8, False, 2, True, True, True)
     assert layer.config(4) == (8, False, 2, True, True, True)
     assert layer.config(5) == (8, False, 2, False, False, False)

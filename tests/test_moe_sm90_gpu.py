@@ -38,13 +38,13 @@ def _weights(shape: str) -> dict:
     return _WEIGHTS[shape]
 
 
-def _layer(shape: str, tuning: dict | None = None):
+def _layer(shape: str, tuning: dict | None = None, tiles: bool = False):
     from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
-    key = (shape, repr(tuning))
+    key = (shape, repr(tuning), tiles)
     if key not in _LAYERS:
         h, i, e, k = SHAPES[shape]
         _LAYERS[key] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=10.0,
-                                    max_tokens=8192, tuning=tuning)
+                                    max_tokens=8192, tuning=tuning, weight_tiles=tiles)
     return _LAYERS[key]
 
 
@@ -97,9 +97,9 @@ TUNED = [
     ("small", 3, "skewed", {"block_columns": False}),
     ("flash", 4, "skewed", {"direct_max_tokens": 8}),
     ("pro", 7, "uniform", {"direct_max_tokens": 8}),
-    # the direct path with the block scales on the fp32 partial sums at T = 1 (default from T = 2), and on the
-    # decoded weights at T = 2
-    ("flash", 1, "uniform", {"block_columns_min_tokens": 1}),
+    # the direct path with the block scales on the fp32 partial sums with one row tile (default: with two), and
+    # on the decoded weights with two
+    ("flash", 1, "uniform", {"block_columns": True}),
     ("pro", 2, "skewed", {"block_columns": False, "row_tiles": 1, "depth": 4}),
 ]
 
@@ -109,11 +109,25 @@ def test_moe_tunings_match_reference(shape, tokens, kind, tuning):
     test_moe_matches_reference(shape, tokens, kind, tuning=tuning)
 
 
+# weights in Hopper row tiles (converter --target sm90): both kernel families, direct and routed, PDL prefetch
+TILED = [
+    ("flash", 1, "uniform", None), ("flash", 4, "skewed", None), ("pro", 1, "uniform", None),
+    ("pro", 7, "skewed", None), ("flash", 64, "uniform", None), ("small", 130, "skewed", {"pdl": True, "pdl_prefetch": True}),
+    ("flash", 3400, "skewed", None), ("pro", 4095, "uniform", None),
+]
+
+
+@pytest.mark.parametrize("shape,tokens,kind,tuning", TILED)
+def test_moe_with_row_tiles_matches_reference(shape, tokens, kind, tuning):
+    test_moe_matches_reference(shape, tokens, kind, tuning=tuning, tiles=True)
+
+
 @pytest.mark.parametrize("shape,tokens,kind", CASES)
-def test_moe_matches_reference(shape, tokens, kind, tuning=None):
+def test_moe_matches_reference(shape, tokens, kind, tuning=None, tiles=False):
+    from nvfp4_megamoe.kernels.row_tiles import tile_rows
     h, i, e, k = SHAPES[shape]
     w = _weights(shape)
-    layer = _layer(shape, tuning)
+    layer = _layer(shape, tuning, tiles)
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
     ids, wts = routing(tokens, e, k, kind, gen)
@@ -121,7 +135,7 @@ def test_moe_matches_reference(shape, tokens, kind, tuning=None):
         assert int(torch.bincount(ids.flatten(), minlength=e)[e // 2:].sum()) == 0
     out = torch.full((tokens, h), float("nan"), device="cuda")
     layer.hbuf.fill_(float("nan"))
-    layer(x, ids, wts, **w, out=out)
+    layer(x, ids, wts, **({**w, "w13": tile_rows(w["w13"]), "w2": tile_rows(w["w2"])} if tiles else w), out=out)
     torch.cuda.synchronize()
     ref = moe_reference(x, ids, wts, **w, swiglu_limit=10.0)
     assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
