@@ -55,6 +55,9 @@ TARGET = {
     "global_scale": "float32 alpha, value = e2m1 * e4m3 * alpha",
     "gate_up_interleave": 8,
 }
+ROW_TILES_TARGET = {
+    "routed_weight_layout": "hopper row tiles: [E, M/16, K/128, 16 rows, 64 bytes] (nvfp4_megamoe.kernels.row_tiles)",
+}
 STAGING_DIR = ".nvfp4_source"
 DEFAULT_WORKERS = 2
 # Source shards held on disk at once when the source is not kept (beyond those in use).
@@ -187,7 +190,7 @@ def build_manifest(src: Source, plan: Plan, writer: ShardWriter, source_files: d
         "source": {**src.record(), "files": source_files},
         "options": plan.options.as_dict(),
         "options_sha256": plan.options.digest(),
-        "target": TARGET,
+        "target": {**TARGET, **(ROW_TILES_TARGET if plan.options.target == "sm90" else {})},
         "rule_counts": dict(sorted(plan.rule_counts.items())),
         "shards": shards,
         "tensors": tensors,
@@ -299,13 +302,15 @@ def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int
 
 
 def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, dense: str = "nvfp4",
-                       shard_size: int = DEFAULT_SHARD_SIZE, dry_run: bool = False, progress: bool = True,
+                       target: str = "sm100", shard_size: int = DEFAULT_SHARD_SIZE, dry_run: bool = False, progress: bool = True,
                        on_plan: Callable[[Plan], None] | None = None, revision: str | None = None,
                        resume: bool = False, keep_source: bool = True, workers: int = DEFAULT_WORKERS,
                        cache_dir: str | os.PathLike | None = None, direct_io: bool = True) -> ConvertResult:
     """Convert a DeepSeek-V4 checkpoint (a folder, or a Hub repo id ``owner/name``) to format 1 in ``out``.
 
-    Everything is validated (headers, index, rule matching, siblings, shapes) before the output
+    ``target``: ``"sm100"`` (format 1's canonical layout) or ``"sm90"`` (routed experts' packed weights in
+    Hopper row tiles, ``kernels/row_tiles.py``). Everything is validated (headers, index, rule matching, siblings,
+    shapes) before the output
     folder is created; tensor values (NaN/Inf, NaN scale bytes) are checked as they are read.
     ``resume`` continues an interrupted run in ``out`` (refusing one made from another source or
     options); ``keep_source=False`` deletes each downloaded Hub shard once converted; ``workers``
@@ -318,7 +323,7 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
     src = open_source(source, revision=revision, cache_dir=cache_dir,
                       staging_dir=None if keep_source else out / STAGING_DIR, progress=progress)
     try:
-        plan = make_plan(src, Options(dense=dense, shard_size=shard_size))
+        plan = make_plan(src, Options(dense=dense, shard_size=shard_size, target=target))
         if on_plan is not None:
             on_plan(plan)
         if dry_run:

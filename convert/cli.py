@@ -19,7 +19,7 @@ from nvfp4_megamoe import __version__
 
 from .errors import ConvertError
 from .hashing import hash_ahead
-from .options import DEFAULT_SHARD_SIZE
+from .options import DEFAULT_SHARD_SIZE, TARGETS
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -52,7 +52,8 @@ def format_plan(plan: Plan) -> str:
                     for o in plan.outputs)
     lines.append(f"output tensors: {len(plan.outputs)} ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}), "
                  f"{_human(plan.total_bytes)} in {len(plan.shards)} shards "
-                 f"(dense: {plan.options.dense}, shard size {_human(plan.options.shard_size)})")
+                 f"(dense: {plan.options.dense}, target: {plan.options.target}, "
+                 f"shard size {_human(plan.options.shard_size)})")
     for i, shard in enumerate(plan.shards):
         lines.append(f"  shard {i + 1:5d}: {len(shard):6d} tensors {_human(sum(o.nbytes for o in shard)):>12s}"
                      f"  {shard[0].name} .. {shard[-1].name}")
@@ -75,6 +76,10 @@ def main() -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--dense", type=click.Choice(["nvfp4", "keep"]), default="nvfp4", show_default=True,
               help="Dense FP8 linears: requantize to NVFP4, or keep them as they are.")
+@click.option("--target", type=click.Choice(list(TARGETS)), default="sm100", show_default=True,
+              help="GPUs the checkpoint is for: sm100 is format 1's canonical layout (any GPU); sm90 also lays the "
+                   "routed experts' weights out in Hopper row tiles, which the H100/H200 MoE kernels read 6-12 % "
+                   "faster (docs/format.md).")
 @click.option("--shard-size", default=str(DEFAULT_SHARD_SIZE), show_default=True, callback=lambda c, p, v: parse_size(v),
               help="Largest output shard (a single larger tensor gets its own shard).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
@@ -90,8 +95,8 @@ def main() -> None:
 @click.option("--direct-io/--buffered-io", default=True, show_default=True,
               help="Write shards with O_DIRECT (past the page cache) where the file system allows it, or buffered. "
                    "The output bytes are the same.")
-def convert(source: str, out: Path, dense: str, shard_size: int, dry_run: bool, progress: bool, revision: str | None,
-            resume: bool, keep_source: bool, workers: int, direct_io: bool) -> None:
+def convert(source: str, out: Path, dense: str, target: str, shard_size: int, dry_run: bool, progress: bool,
+            revision: str | None, resume: bool, keep_source: bool, workers: int, direct_io: bool) -> None:
     """Convert SOURCE (a checkpoint folder, or a Hub repo id owner/name) into OUT."""
     if not (dry_run or resume) and Path(source).is_dir():
         # Before torch is imported (over a second on one core): the source hashes get under way meanwhile.
@@ -99,7 +104,7 @@ def convert(source: str, out: Path, dense: str, shard_size: int, dry_run: bool, 
     from .api import convert_checkpoint
 
     try:
-        result = convert_checkpoint(source, out, dense=dense, shard_size=shard_size, dry_run=dry_run,
+        result = convert_checkpoint(source, out, dense=dense, target=target, shard_size=shard_size, dry_run=dry_run,
                                     progress=progress, on_plan=lambda p: click.echo(format_plan(p)),
                                     revision=revision, resume=resume, keep_source=keep_source, workers=workers,
                                     direct_io=direct_io)

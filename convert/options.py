@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 DEFAULT_SHARD_SIZE = 5 * 10**9
 DENSE_MODES = ("nvfp4", "keep")
+# sm100: format 1's canonical layout (Blackwell's). sm90: the same, with the routed experts' packed weights in
+# Hopper row tiles (``kernels/row_tiles.py``), which the SM90 MoE kernels read 6-12 % faster on an H200.
+TARGETS = ("sm100", "sm90")
 
 
 @dataclass
@@ -16,9 +19,10 @@ class Options:
 
     dense: str = "nvfp4"
     shard_size: int = DEFAULT_SHARD_SIZE
+    target: str = "sm100"
 
     def as_dict(self) -> dict:
-        return {"dense": self.dense, "shard_size": self.shard_size}
+        return {"dense": self.dense, "shard_size": self.shard_size, "target": self.target}
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .errors import PlanError
-from .options import DENSE_MODES, Options
+from nvfp4_megamoe.kernels.row_tiles import ROWS, TILE_BYTES
+
+from .options import DENSE_MODES, TARGETS, Options
 from .rules import FUSED, FUSED_PARTS, matching_rules
 from .source import SourceTensor
 from .units import ROLES, FusedMatrices, OutputSpec, Passthrough, Unit
@@ -95,7 +97,8 @@ def _expected_shapes(fmt: str, rows: int, cols: int) -> dict[str, tuple[tuple[in
     }[fmt]
 
 
-def _matrix_unit(source: PlanSource, key: tuple, group: dict, config: dict, offenders: list) -> FusedMatrices | None:
+def _matrix_unit(source: PlanSource, key: tuple, group: dict, config: dict, offenders: list,
+                 row_tiles: bool = False) -> FusedMatrices | None:
     kind, prefix, fused = key
     fmts = group["fmt"]
     members = group["members"]
@@ -149,7 +152,12 @@ def _matrix_unit(source: PlanSource, key: tuple, group: dict, config: dict, offe
         offenders.append((first, file_of(first), f"shape [{rows}, {cols}] cannot become NVFP4 (needs in % 32 == 0, out % 8 == 0)"))
     if len(offenders) > known:
         return None
-    return FusedMatrices(out_prefix, fmt, table, rows, cols, stacked=kind == "routed")
+    if row_tiles and (len(parts) * rows % ROWS or cols % (2 * TILE_BYTES)):
+        offenders.append((f"{prefix}.*.{'/'.join(parts)}", "-",
+                          f"--target sm90 tiles routed experts by {ROWS} output rows x {2 * TILE_BYTES} inputs, "
+                          f"which [{len(parts) * rows}, {cols}] does not divide into; convert with --target sm100"))
+        return None
+    return FusedMatrices(out_prefix, fmt, table, rows, cols, stacked=kind == "routed", row_tiles=row_tiles)
 
 
 def _required_layers(config: dict) -> list[str]:
@@ -161,6 +169,8 @@ def build_units(source: PlanSource, options: Options) -> tuple[list[Unit], Count
     """Rule-match, group and validate; returns units in source-file order."""
     if options.dense not in DENSE_MODES:
         raise ValueError(f"dense must be one of {DENSE_MODES}, got {options.dense!r}")
+    if options.target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {options.target!r}")
     offenders: list[tuple[str, str, str]] = []
     groups, counts = classify(source, offenders)
     units: list[Unit] = []
@@ -170,7 +180,8 @@ def build_units(source: PlanSource, options: Options) -> tuple[list[Unit], Count
                 info = source.tensors[name].info
                 units.append(Passthrough(name, info.dtype, info.shape))
         else:
-            unit = _matrix_unit(source, key, group, source.config, offenders)
+            unit = _matrix_unit(source, key, group, source.config, offenders,
+                                row_tiles=options.target == "sm90" and key[0] == "routed")
             if unit is not None:
                 units.append(unit)
     present = {(k[1], k[2]) for k in groups if k[0] == "routed"}

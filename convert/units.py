@@ -16,6 +16,7 @@ import torch
 from nvfp4_megamoe.kernels.fp8_nvfp4 import ValueHistogram
 from nvfp4_megamoe.kernels.mxfp4 import dequantize_mxfp4
 from nvfp4_megamoe.kernels.nvfp4 import BLOCK, dequantize_nvfp4
+from nvfp4_megamoe.kernels.row_tiles import ROWS, TILE_BYTES, tile_rows
 from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
 from nvfp4_megamoe.runtime.format import alpha_shape, fused_expert_names
 
@@ -34,6 +35,7 @@ CHAINS = {
 LAYOUT = ["swizzle_128x4"]
 INTERLEAVE = ["interleave_gate_up(8, gate first)"]
 STACK = ["stack_experts"]
+ROW_TILES = [f"row_tiles({ROWS} rows x {TILE_BYTES} bytes)"]
 # Roles each source format needs per matrix.
 ROLES = {"mxfp4": ("weight", "scale"), "fp8": ("weight", "scale"),
          "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale"),
@@ -112,7 +114,8 @@ class FusedMatrices:
     """NVFP4 output of one or more same-shape source matrices per item (expert), gate/up fused.
 
     ``members[item][part][role]`` names the source tensors; ``rows``/``cols`` are one part's
-    logical [out, in]. With ``stacked`` the outputs get a leading expert dimension.
+    logical [out, in]. With ``stacked`` the outputs get a leading expert dimension; with ``row_tiles``
+    (``--target sm90``) the packed weights are written in Hopper row tiles (``kernels/row_tiles.py``).
     """
 
     prefix: str
@@ -121,12 +124,14 @@ class FusedMatrices:
     rows: int
     cols: int
     stacked: bool
+    row_tiles: bool = False
 
     def __post_init__(self) -> None:
         self.key = self.prefix
         parts = len(self.members[0])
         names = fused_expert_names(*self.prefix.rsplit(".", 1))
-        chain = CHAINS[self.fmt] + (INTERLEAVE if parts == 2 else []) + LAYOUT + (STACK if self.stacked else [])
+        chain = (CHAINS[self.fmt] + (INTERLEAVE if parts == 2 else []) + LAYOUT + (ROW_TILES if self.row_tiles else [])
+                 + (STACK if self.stacked else []))
         lead = (len(self.members),) if self.stacked else ()
         fused_rows = parts * self.rows
         self.sources = [n for item in self.members for part in item for n in part.values()]
@@ -195,7 +200,7 @@ class FusedMatrices:
             if ref is not None:
                 self.measured = True
                 measure_error(self.stats, m, ref)
-            sink.write(self.weight.name, e * w_bytes, m.packed)
+            sink.write(self.weight.name, e * w_bytes, tile_rows(m.packed) if self.row_tiles else m.packed)
             sink.write(self.scale.name, e * s_bytes, m.scales)
             alphas = torch.tensor(m.alphas[: self.alphas_per_item], dtype=torch.float32)
             sink.write(self.alpha.name, e * 4 * self.alphas_per_item, alphas)

@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from nvfp4_megamoe.kernels.row_tiles import untile_rows
 from nvfp4_megamoe.kernels.scales import E4M3_NAN_BYTES
 from nvfp4_megamoe.kernels.swizzle import swizzle_padding
 
@@ -319,6 +320,8 @@ class _Verifier:
                 found[names["weight_scale"]].append(f"{nan} NaN E4M3 bytes (0x7F/0xFF){at}")
             if unit is not None:
                 packed = self.reader.read(names["weight"], e)
+                if unit.row_tiles:
+                    packed = untile_rows(packed)
                 parts = len(unit.members[e or 0])
                 if len(alphas) == 1:
                     alphas *= parts  # a dense fused linear: one alpha shared by its parts
@@ -442,7 +445,8 @@ def verify_checkpoint(out: str | os.PathLike, source: str | os.PathLike | None =
         try:
             opts = lay.manifest.get("options", {})
             plan = make_plan(src, Options(dense=opts.get("dense", "nvfp4"),
-                                          shard_size=int(opts.get("shard_size", DEFAULT_SHARD_SIZE))))
+                                          shard_size=int(opts.get("shard_size", DEFAULT_SHARD_SIZE)),
+                                          target=opts.get("target", "sm100")))
         except ConvertError as exc:
             rep.fail(None, None, f"cannot re-make the plan from the source: {exc}")
     verifier = _Verifier(out, lay, src, plan)

@@ -28,8 +28,11 @@ CASES = {
     "flash-keep": ("flash", {"dense": "keep"}, {}),
     # I = 96: w13 has 192 rows (padded to 256), w2 6 scale columns (padded to 8).
     "padded": ("flash", {}, {"moe_intermediate_size": 96}),
+    # routed experts' weights in Hopper row tiles
+    "flash-sm90": ("flash", {"target": "sm90"}, {"out_of_range_blocks": 3}),
+    "modelopt-sm90": ("modelopt", {"target": "sm90"}, {}),
 }
-CLEAN = ["flash", "pro", "base", "modelopt", "flash-keep"]
+CLEAN = ["flash", "pro", "base", "modelopt", "flash-keep", "flash-sm90", "modelopt-sm90"]
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +103,53 @@ def test_clean_conversion_verifies(converted, case, tmp_path):
         assert w13["kind"] == "lossy" and w13["inexact_blocks"] == 3 and w13["source_format"] == "mxfp4"
     if case == "modelopt":
         assert data["tensors"]["layers.1.ffn.experts.w13.input_scale"]["checked"] == "round trip"
+
+
+def test_sm90_target_tiles_the_routed_weights_and_nothing_else(converted, tmp_path):
+    """--target sm90 writes every tensor as the canonical conversion does, except the routed experts' packed
+    weights, which are the same bytes in row tiles; a manifest that hides the tiling fails verification."""
+    from safetensors import safe_open
+
+    from nvfp4_megamoe.kernels.row_tiles import tile_rows
+
+    def tensors(out: Path) -> dict:
+        found = {}
+        for shard in sorted(out.glob("*.safetensors")):
+            with safe_open(str(shard), framework="pt") as f:
+                found.update({k: f.get_tensor(k) for k in f.keys()})
+        return found
+
+    (_, canon), (_, tiled_out) = converted("flash"), converted("flash-sm90")
+    canonical, tiled = tensors(canon), tensors(tiled_out)
+    assert canonical.keys() == tiled.keys()
+    routed = [n for n in canonical if ".ffn.experts.w" in n and n.endswith(".weight")]
+    assert len(routed) == 2 * (len({n.rsplit(".experts", 1)[0] for n in routed}))
+    for name, t in canonical.items():
+        want = tile_rows(t) if name in routed else t
+        assert tiled[name].equal(want), name
+        # random codes: tiling moves bytes, unless a row is one k-tile (tiny's w2: I = 128), where it is the identity
+        assert name not in routed or t.shape[-1] == 64 or not tiled[name].equal(t)
+    manifest = json.loads((tiled_out / MANIFEST_FILE).read_text())
+    assert manifest["options"]["target"] == "sm90" and "routed_weight_layout" in manifest["target"]
+    assert "row_tiles(16 rows x 64 bytes)" in manifest["tensors"][routed[0]]["transform"]
+
+    lying = _copy(tiled_out, tmp_path)  # say sm100: the tiled bytes no longer round-trip to the source
+    m = json.loads((lying / MANIFEST_FILE).read_text())
+    m["options"]["target"] = "sm100"
+    (lying / MANIFEST_FILE).write_text(json.dumps(m))
+    rep = verify_checkpoint(lying, progress=False)
+    assert not rep.ok and _named(rep, routed[0])
+
+
+def test_sm90_target_refuses_shapes_it_cannot_tile(tmp_path):
+    """I = 96: w2's 96 inputs are not whole 128-K tiles; the plan names the tensors and nothing is written."""
+    from nvfp4_megamoe.convert.errors import PlanError
+
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash", seed=1, moe_intermediate_size=96)
+    with pytest.raises(PlanError) as err:
+        convert_checkpoint(src, tmp_path / "out", progress=False, target="sm90")
+    assert "layers.0.ffn.experts.*.w2" in str(err.value) and "--target sm100" in str(err.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_structure_only_without_source(converted, tmp_path):
