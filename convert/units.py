@@ -16,9 +16,9 @@ import torch
 from nvfp4_megamoe.kernels.fp8_nvfp4 import ValueHistogram
 from nvfp4_megamoe.kernels.mxfp4 import dequantize_mxfp4
 from nvfp4_megamoe.kernels.nvfp4 import BLOCK, dequantize_nvfp4
-from nvfp4_megamoe.kernels.row_tiles import ROWS, TILE_BYTES, tile_rows
+from nvfp4_megamoe.kernels.row_tiles import tile_rows
 from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
-from nvfp4_megamoe.runtime.format import alpha_shape, fused_expert_names
+from nvfp4_megamoe.runtime.format import ROW_TILES_STEP, alpha_shape, fused_expert_names
 
 from .safetensors_header import DTYPES
 from .stats import ErrorStats
@@ -35,7 +35,7 @@ CHAINS = {
 LAYOUT = ["swizzle_128x4"]
 INTERLEAVE = ["interleave_gate_up(8, gate first)"]
 STACK = ["stack_experts"]
-ROW_TILES = [f"row_tiles({ROWS} rows x {TILE_BYTES} bytes)"]
+ROW_TILES = [ROW_TILES_STEP]
 # Roles each source format needs per matrix.
 ROLES = {"mxfp4": ("weight", "scale"), "fp8": ("weight", "scale"),
          "nvfp4": ("weight", "weight_scale", "weight_scale_2", "input_scale"),

@@ -45,6 +45,16 @@ def fp8_linear_names(prefix: str) -> dict[str, str]:
     return {"weight": f"{prefix}.weight", "scale": f"{prefix}.scale"}
 
 
+# The manifest's transform step of packed weights written in Hopper row tiles (``--target sm90``,
+# ``kernels/row_tiles.py``); a tensor whose ``transform`` lists it is tiled.
+ROW_TILES_STEP = "row_tiles(16 rows x 64 bytes)"
+
+
+def has_row_tiles(manifest: dict, name: str) -> bool:
+    """Is output tensor ``name`` stored in Hopper row tiles (its manifest transform lists :data:`ROW_TILES_STEP`)?"""
+    return ROW_TILES_STEP in manifest.get("tensors", {}).get(name, {}).get("transform", ())
+
+
 def read_manifest(path: str | Path) -> dict:
     """Load and check a converted checkpoint's manifest.
 

@@ -122,12 +122,12 @@ class HopperBackend(ReferenceBackend):
         # so one token's pairs are no longer distinct experts: keep the routing kernel, which reads each
         # expert once, instead of one tile per pair
         partial = n < experts.n_experts
-        key = (2 * half_h, two_i // 2, n, top_k, swiglu_limit, str(device), partial)
+        key = (2 * half_h, two_i // 2, n, top_k, swiglu_limit, str(device), partial, experts.row_tiles)
         if key not in self._moe_layers:
             try:
                 layer = Sm90NvFp4MoE(hidden=key[0], intermediate=key[1], experts=n, top_k=top_k,
                                      swiglu_limit=swiglu_limit, max_tokens=self.max_tokens, device=device,
-                                     tuning={"direct": False} if partial else None)
+                                     tuning={"direct": False} if partial else None, weight_tiles=experts.row_tiles)
                 layer.kernels(8)  # raises ValueError for shapes the kernels do not tile
                 layer.warmup()    # every configuration up to max_tokens: no forward compiles
             except ValueError:

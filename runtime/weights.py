@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 from nvfp4_megamoe.kernels.nvfp4 import BLOCK
+from nvfp4_megamoe.kernels.row_tiles import untile_rows
 from .checkpoint import Checkpoint
 from .config import ModelConfig
-from .format import FormatError, fp8_linear_names, fused_expert_names, nvfp4_linear_names
+from .format import FormatError, fp8_linear_names, fused_expert_names, has_row_tiles, nvfp4_linear_names
 
 
 @dataclass
@@ -110,6 +111,8 @@ class MoEWeights:
 
     ``w13`` U8 [n, 2I, H/2] (gate/up interleaved by 8), ``w13_scale`` U8 [n, swz(2I, H/16)],
     ``w13_alpha`` F32 [n, 2] (gate, up); ``w2`` U8 [n, H, I/2], ``w2_scale``, ``w2_alpha`` F32 [n].
+    ``row_tiles``: ``w13`` and ``w2`` hold those bytes in Hopper row tiles (``kernels/row_tiles.py``, a
+    ``--target sm90`` conversion); :meth:`row_major` gives them row-major.
     """
 
     gate: DenseLinear                 # router [E, H], all experts
@@ -124,6 +127,16 @@ class MoEWeights:
     expert_range: tuple[int, int]
     n_experts: int
     shared: SharedExpertWeights
+    row_tiles: bool = False
+    _row_major: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+
+    def row_major(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13, w2)`` row-major (un-tiled once, then kept, when the checkpoint stores row tiles)."""
+        if not self.row_tiles:
+            return self.w13, self.w2
+        if self._row_major is None:
+            self._row_major = (untile_rows(self.w13), untile_rows(self.w2))
+        return self._row_major
 
     @property
     def is_hash(self) -> bool:
@@ -217,6 +230,10 @@ class WeightLoader:
             if name not in ck:
                 raise FormatError(f"{ck.path}: {name} is missing; routed experts must be stacked NVFP4 "
                                   f"(format 1). Was this folder written by `nvfp4-convert convert`?")
+        tiled = [has_row_tiles(ck.manifest, name) for name in (w13["weight"], w2["weight"])]
+        if tiled[0] != tiled[1]:
+            raise FormatError(f"{ck.path}: the manifest has {w13['weight']} {'in' if tiled[0] else 'not in'} row tiles "
+                              f"but {w2['weight']} {'in' if tiled[1] else 'not in'}; re-convert the checkpoint")
         if f"{p}.shared_experts.w13.weight" in ck:
             shared = SharedExpertWeights(w2=self.linear(f"{p}.shared_experts.w2"),
                                          w13=self.linear(f"{p}.shared_experts.w13"))
@@ -232,7 +249,7 @@ class WeightLoader:
             w13_alpha=self.tensor(w13["alpha"], rows).float(),
             w2=self.tensor(w2["weight"], rows), w2_scale=self.tensor(w2["weight_scale"], rows),
             w2_alpha=self.tensor(w2["alpha"], rows).float(),
-            expert_range=(start, stop), n_experts=n, shared=shared)
+            expert_range=(start, stop), n_experts=n, shared=shared, row_tiles=tiled[0])
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
         want13, want2 = (stop - start, 2 * i, h // 2), (stop - start, h, i // 2)
         if tuple(weights.w13.shape) != want13 or tuple(weights.w2.shape) != want2:

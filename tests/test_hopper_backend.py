@@ -28,9 +28,9 @@ class _Recorder:
         return 0
 
 
-def _experts(held: int, total: int) -> SimpleNamespace:
-    """The MoEWeights fields ``_moe_layer`` reads: packed w13 [held, 2I, H/2] and the model's expert count."""
-    return SimpleNamespace(w13=torch.zeros(held, 256, 64, dtype=torch.uint8), n_experts=total)
+def _experts(held: int, total: int, row_tiles: bool = False) -> SimpleNamespace:
+    """The MoEWeights fields ``_moe_layer`` reads: packed w13 [held, 2I, H/2], the model's expert count, the layout."""
+    return SimpleNamespace(w13=torch.zeros(held, 256, 64, dtype=torch.uint8), n_experts=total, row_tiles=row_tiles)
 
 
 @pytest.fixture
@@ -55,3 +55,6 @@ def test_a_rank_with_part_of_the_experts_keeps_the_routing_kernel(recorder):
     whole = be._moe_layer(_experts(4, 4), top_k=2, swiglu_limit=10.0, device=torch.device("cpu"))
     assert whole is not part and whole.kwargs["tuning"] is None
     assert len(recorder.made) == 2
+    # row-tiled weights (--target sm90): a layer of its own that reads them so
+    tiled = be._moe_layer(_experts(4, 4, row_tiles=True), top_k=2, swiglu_limit=10.0, device=torch.device("cpu"))
+    assert tiled is not whole and tiled.kwargs["weight_tiles"] and not whole.kwargs["weight_tiles"]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nvfp4_megamoe.kernels.row_tiles import ROWS, TILE_BYTES, tile_rows, untile_rows
+from nvfp4_megamoe.runtime.format import ROW_TILES_STEP
 
 
 def test_round_trip_and_byte_positions():
@@ -20,6 +21,7 @@ def test_round_trip_and_byte_positions():
         at = ((r // ROWS) * tiles_per_row + b // TILE_BYTES) * ROWS * TILE_BYTES + (r % ROWS) * TILE_BYTES + b % TILE_BYTES
         assert flat[e, at] == w[e, r, b]
     assert untile_rows(tile_rows(w[0])).equal(w[0])  # one matrix (a dense linear's shape) too
+    assert ROW_TILES_STEP == f"row_tiles({ROWS} rows x {TILE_BYTES} bytes)"  # the manifest's name of the step
 
 
 @pytest.mark.parametrize("shape", [(24, 128), (32, 96), (64,)])

@@ -41,14 +41,14 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("runtime")
     made: dict[tuple[str, str, str], tuple] = {}
 
-    def get(preset: str, variant: str, dense: str = "keep"):
-        key = (preset, variant, dense)
+    def get(preset: str, variant: str, dense: str = "keep", target: str = "sm100"):
+        key = (preset, variant, dense, target)
         if key not in made:
             src = root / f"{preset}-{variant}"
             if not src.exists():
                 write_synthetic(src, preset=preset, variant=variant, seed=0)
-            out = root / f"{preset}-{variant}-{dense}"
-            convert_checkpoint(src, out, dense=dense)
+            out = root / f"{preset}-{variant}-{dense}-{target}"
+            convert_checkpoint(src, out, dense=dense, target=target)
             made[key] = (src, out)
         return made[key]
 
@@ -137,6 +137,18 @@ def test_nvfp4_dense_layers(checkpoints):
     assert layer.attn.wq_a.weight.dtype == torch.uint8  # stays packed in memory
     ids = ids_for(model, SEED)
     assert rel(model(ids), oracle_logits(src, ids, nvfp4_from=out)) < 1e-5
+
+
+def test_row_tiled_checkpoint_runs_the_same_model(checkpoints):
+    """A --target sm90 conversion (routed experts in Hopper row tiles) loads as tiled and, un-tiled by the reference
+    path, gives the logits of the canonical conversion bit for bit."""
+    (_, canon), (_, tiled) = checkpoints("tiny", "flash"), checkpoints("tiny", "flash", target="sm90")
+    a, b = load_model(canon), load_model(tiled)
+    moe = b.weights.layers[0].moe
+    assert moe.row_tiles and not a.weights.layers[0].moe.row_tiles
+    assert not moe.w13.equal(a.weights.layers[0].moe.w13) and moe.row_major()[0].equal(a.weights.layers[0].moe.w13)
+    ids = ids_for(a, 5, tokens=24)
+    assert torch.equal(a(ids), b(ids))
 
 
 # -- decode ------------------------------------------------------------------------------------------

@@ -31,21 +31,22 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def converted(tmp_path_factory):
     made = {}
 
-    def get(variant: str, dense: str = "keep"):
-        if (variant, dense) not in made:
-            root = tmp_path_factory.mktemp(f"{variant}-{dense}")
+    def get(variant: str, dense: str = "keep", target: str = "sm100"):
+        if (variant, dense, target) not in made:
+            root = tmp_path_factory.mktemp(f"{variant}-{dense}-{target}")
             src = write_synthetic(root / "src", preset="tiny", variant=variant, seed=0)
-            convert_checkpoint(src, root / "out", dense=dense, progress=False)
-            made[variant, dense] = root / "out"
-        return made[variant, dense]
+            convert_checkpoint(src, root / "out", dense=dense, target=target, progress=False)
+            made[variant, dense, target] = root / "out"
+        return made[variant, dense, target]
 
     return get
 
 
-@pytest.mark.parametrize("variant", ["flash", "modelopt"])
-def test_moe_kernel_matches_reference_on_loaded_layers(converted, variant):
-    """One routed-MoE call per layer: kernel vs reference on the same packed weights (per-half alpha)."""
-    model = load_model(converted(variant), device="cuda")
+@pytest.mark.parametrize("variant,target", [("flash", "sm100"), ("modelopt", "sm100"), ("flash", "sm90")])
+def test_moe_kernel_matches_reference_on_loaded_layers(converted, variant, target):
+    """One routed-MoE call per layer: kernel vs reference on the same packed weights (per-half alpha); sm90: the
+    kernels read the row tiles, the reference the same weights un-tiled."""
+    model = load_model(converted(variant, target=target), device="cuda")
     assert isinstance(model.backend, HopperBackend) and model.backend.warmup_seconds is not None
     ref = ReferenceBackend()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -90,8 +91,9 @@ class SharedRouting:
         fast.backend.route_topk, slow.backend.route_topk = fast_route, slow_route
 
 
-@pytest.mark.parametrize("variant,dense", [("flash", "keep"), ("modelopt", "keep"), ("flash", "nvfp4")])
-def test_logits_with_kernels_match_reference_path(converted, variant, dense):
+@pytest.mark.parametrize("variant,dense,target", [("flash", "keep", "sm100"), ("modelopt", "keep", "sm100"),
+                                                  ("flash", "nvfp4", "sm100"), ("flash", "keep", "sm90")])
+def test_logits_with_kernels_match_reference_path(converted, variant, dense, target):
     """Prefill and decode logits with the kernels (BF16 activations and decode state) vs the fp32
     reference path (float32 state), both with the kernel path's routed experts (:class:`SharedRouting`:
     with its own, the reference picks other experts in 2-4 of this test's 72 router calls, and a random
@@ -101,7 +103,7 @@ def test_logits_with_kernels_match_reference_path(converted, variant, dense):
     the difference is BF16 rounding. Over long sequences the indexer's top-k flips too and compounds
     (printed for the record).
     """
-    out = converted(variant, dense)
+    out = converted(variant, dense, target)
     fast = load_model(out, device="cuda")
     fast.decode_graphs = None  # replays run no Python: SharedRouting must see every router call
     slow = load_model(out, device="cuda", backend=ReferenceBackend())
