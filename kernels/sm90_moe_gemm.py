@@ -89,7 +89,7 @@ class Sm90Nvfp4GroupedGemm:
             after the other); the results are the same, only the schedule differs (``mma_ktile``).
         block_columns: one-token tiles (``direct_top_k`` only) use the MMA's 8 columns for the k-tile's 8 scale
             blocks instead of 8 tokens, so the block scales are applied to fp32 partial sums, 4 multiply-adds a
-            k-tile, instead of to every decoded weight word, 32 BF16 multiplies (``mma_ktile_block_columns``).
+            k-tile, instead of to every decoded weight word, 32 BF16 multiplies (``mma_ktile``).
             ``"swiglu"`` scales ``x`` by ``2**BC_X_LOG2`` in registers and writes ``h`` scaled so, which is
             what ``"scatter"`` expects: both GEMMs of a layer must agree.
         weight_tiles: ``w`` is in Hopper row tiles (``row_tiles``, converter ``--target sm90``), not row-major.
