@@ -5,7 +5,7 @@ workspaces are sized once for ``max_tokens``, so the call is CUDA-graph capturab
 
 1. ``Sm90MoeRouting``: pairs (token, slot) sorted by expert -> ``token_of``, ``weight_of``, tiles
    (skipped up to ``DIRECT_MAX_TOKENS`` tokens: each routed pair is a tile of its own, ``direct_top_k`` in
-   ``sm90_moe_gemm``; one token's k pairs are k distinct experts, two tokens' mostly are);
+   ``sm90_moe_gemm``; one token's k pairs are k distinct experts, a few tokens' mostly are);
 2. ``Sm90Nvfp4GroupedGemm(mode="swiglu")`` over ``w13``: ``h`` [pairs, I] BF16 in sorted order, each
    row in the K order step 3 reads (``k_order``; its CTAs also zero ``out``, so no memset launch);
 3. ``Sm90Nvfp4GroupedGemm(mode="scatter")`` over ``w2``: ``out[t] += w * (h @ W2.T)``.
@@ -14,8 +14,9 @@ From ``WGMMA_MIN_MEAN`` routed pairs per expert on (prefill), steps 2 and 3 run 
 ``sm90_moe_wgmma`` instead (same operands and epilogues; ``tuning={"wgmma": True/False}`` forces a path);
 they read activations in the ``"staged"`` K order, so ``x`` is first permuted into a workspace.
 
-Weights are format 1 as written by ``convert`` (``docs/format.md``); the contract of each operand is
-in ``sm90_moe_gemm``. Compiled kernels are cached in-process by their static configuration (and on
+Weights are format 1 as written by ``convert`` (``docs/format.md``), ``w13`` and ``w2`` row-major or, from a
+``--target sm90`` conversion, in Hopper row tiles (``weight_tiles``); the contract of each operand is in
+``sm90_moe_gemm``. Compiled kernels are cached in-process by their static configuration (and on
 disk unless ``NVFP4_MEGAMOE_KERNEL_CACHE=0``, see ``cute_host``); :meth:`Sm90NvFp4MoE.warmup`
 compiles every configuration a layer can pick (:meth:`Sm90NvFp4MoE.config` for each T up to
 ``max_tokens``), so that no call compiles.

@@ -91,7 +91,9 @@ class Sm90Nvfp4GroupedGemm:
             blocks instead of 8 tokens, so the block scales are applied to fp32 partial sums, 4 multiply-adds a
             k-tile, instead of to every decoded weight word, 32 BF16 multiplies (``mma_ktile``).
             ``"swiglu"`` scales ``x`` by ``2**BC_X_LOG2`` in registers and writes ``h`` scaled so, which is
-            what ``"scatter"`` expects: both GEMMs of a layer must agree.
+            what ``"scatter"`` expects: both GEMMs of a layer must agree. The ``token_of`` operand (unused by
+            ``direct_top_k``) must then hold at least ``2 * k`` zero bytes: lanes read them in place of the
+            activations of the columns they do not feed.
         weight_tiles: ``w`` is in Hopper row tiles (``row_tiles``, converter ``--target sm90``), not row-major.
     """
 
@@ -270,7 +272,6 @@ class Sm90Nvfp4GroupedGemm:
         acc.fill(0.0)
         DB = self.b_depth
         xbuf = cute.make_rmem_tensor((max(DB, 1), self.nb, 16), Int32)
-
         kt_last = kt0 + n_kt - 1
         for d in cutlass.range_constexpr(D):
             self.load_a(wbuf, sbuf, a_addr, s_addr, d, kt0 + d)
