@@ -1,5 +1,6 @@
 """Converter benchmark (not a test): conversion time against ``cp -r`` of the same source, peak anonymous
-memory, throughput; default options and ``--dense keep``; and the memory check at twice the experts.
+memory, throughput; default options, ``--dense keep``, ``--buffered-io`` and ``--target sm90``; and the memory
+check at twice the experts.
 
     python bench/convert_bench.py --workdir /tmp/convert-bench            # makes the checkpoints if missing
     python bench/convert_bench.py --workdir DIR --runs 3 --workers 2 --json results.json
@@ -195,9 +196,10 @@ def main() -> None:
                             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM",
                  "load_before": os.getloadavg(), "source": str(src), "source_bytes": size, "workers": args.workers,
                  "baseline_rss_anon": baseline_rss()}
-    # Rounds interleave the commands (cp, cp && sync, default, --dense keep, --buffered-io), so a machine that drifts
-    # (other work, memory state) affects all alike; each figure is the best of its rounds.
-    modes = (("default", []), ("dense_keep", ["--dense", "keep"]), ("default_buffered", ["--buffered-io"]))
+    # Rounds interleave the commands (cp, cp && sync, default, --dense keep, --buffered-io, --target sm90), so a
+    # machine that drifts (other work, memory state) affects all alike; each figure is the best of its rounds.
+    modes = (("default", []), ("dense_keep", ["--dense", "keep"]), ("default_buffered", ["--buffered-io"]),
+             ("target_sm90", ["--target", "sm90"]))
     cp, cp_sync, runs = [], [], {name: [] for name, _ in modes}
     for _ in range(args.runs):
         cp.append(time_cp(src, args.workdir / "cp-copy", sync=False))
@@ -224,7 +226,7 @@ def main() -> None:
     print("| run | time (s) | / cp -r | / cp -r+sync | source GB/s | peak RssAnon (MiB) |")
     print("|---|---|---|---|---|---|")
     rows = [("default", res["default"], size), ("--dense keep", res["dense_keep"], size),
-            ("--buffered-io", res["default_buffered"], size)]
+            ("--buffered-io", res["default_buffered"], size), ("--target sm90", res["target_sm90"], size)]
     if twice is not None:
         rows.append(("default, 2x experts", res["twice_default"], res["twice_source_bytes"]))
     for label, r, nbytes in rows:
