@@ -32,6 +32,7 @@ from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
 
 MODELS = {"V4-Flash": (4096, 2048, 256, 6), "V4-Pro": (7168, 3072, 384, 6)}
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+ANCHORS = ("humming", "quack", "torch_bf16")
 LIMIT = 10.0
 
 
@@ -194,6 +195,12 @@ def main() -> None:
     ap.add_argument("--variants", default="{}", help='JSON {"ours_name": {tuning kwargs}} of extra configurations of ours')
     args = ap.parse_args()
     base_impls = args.impls.split(",")
+    variant_names = set(json.loads(args.variants))
+    unknown = [m for m in sorted(set(base_impls) | variant_names)
+               if m not in ANCHORS + ("ours",) and not (m in variant_names and m.startswith("ours_"))]
+    if unknown:  # would be skipped without a word
+        ap.error(f"unknown implementations {unknown}: use {', '.join(ANCHORS)}, ours, or a --variants name "
+                 "that starts with 'ours_'")
     tokens = [int(t) for t in args.tokens.split(",")]
     ceil = measure_ceilings()
     print(f"device {torch.cuda.get_device_name()}  copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s  "
