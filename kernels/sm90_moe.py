@@ -46,9 +46,9 @@ DIRECT_MAX_TOKENS = 4
 # T = 2 V4-Pro 174.8 -> 168.9 us; from T = 8 slower (V4-Flash T = 16 320.4 -> 342.9 us, V4-Pro T = 8 492.7 -> 508.2).
 INTERLEAVE_MAX_TOKENS = 4
 # Direct calls with two row tiles apply the block scales to fp32 partial sums (``block_columns`` in sm90_moe_gemm;
-# fewer instructions per weight byte). Measured on an H200 (docs/benchmarks.md), with two row tiles: V4-Pro T = 1
-# 93.8 -> 88.6 us, T = 2 V4-Flash 62.8 -> 60.9 us, V4-Pro 166.2 -> 164.7 us; with one (V4-Flash T = 1) slower,
-# 37.4 -> 41.1 us.
+# fewer instructions per weight byte). Measured on an H200 (docs/benchmarks.md), with two row tiles: T = 2 V4-Flash
+# 62.8 -> 60.9 us, V4-Pro 166.2 -> 164.7 us, V4-Pro T = 1 mixed (89.4 -> 91.3 and 93.8 -> 88.6 us in two runs); with
+# one (V4-Flash T = 1) slower, 37.4 -> 41.1 us.
 
 
 class MoeConfig(NamedTuple):
