@@ -1,6 +1,7 @@
 """Compile, for sm_90a (no GPU), every kernel configuration the runtime can launch for V4-Flash and V4-Pro:
-the MoE configurations a layer can pick, decode attention in its three modes with the clusters
-``pick_cluster`` chooses and the combine kernel, the indexer's score and sort kernels, and the mHC weights;
+the MoE configurations a layer can pick (weights row-major and in row tiles), decode attention in its three
+modes with the clusters ``pick_cluster`` chooses and the combine kernel, the indexer's score and sort kernels,
+and the mHC weights;
 print, as JSON, each kernel's registers per thread and stack frame bytes (spills) read from its cubin.
 
 Run in a fresh interpreter (``tests/test_kernel_resources.py`` does): CuTeDSL reads ``CUTE_DSL_KEEP`` /
@@ -69,8 +70,9 @@ def main() -> None:
 
     sm90_moe._compile = sm90_attention_indexer._compile = compile_and_record  # the modules' own bindings
     for h, i, e in ((4096, 2048, 256), (7168, 3072, 384)):
-        sm90_moe.Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=6, swiglu_limit=10.0, max_tokens=8192,
-                              device="cpu").warmup()
+        for tiles in (False, True):  # canonical and --target sm90 checkpoints
+            sm90_moe.Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=6, swiglu_limit=10.0, max_tokens=8192,
+                                  device="cpu", weight_tiles=tiles).warmup()
     for k in (512, 1024):  # V4-Flash's and V4-Pro's index top-k, 64 index heads of 128
         sm90_attention_indexer.warmup_indexer(64, 128, k, "cpu")
     args = decode_attention_args()
