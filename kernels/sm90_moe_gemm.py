@@ -137,7 +137,6 @@ class Sm90Nvfp4GroupedGemm:
         self.kb4 = math.ceil(k // 16 / 4)  # 512-byte scale atoms per 128 rows
         self.block_columns = block_columns
         self.weight_tiles = weight_tiles
-        self.kt_bytes = ROWS * TILE_BYTES if weight_tiles else TILE_BYTES  # from one k-tile of a row to the next
         if block_columns and not (self.direct_top_k and self.nb == 1 and self.split_k == 1):
             raise ValueError("block_columns needs one-token tiles: direct_top_k > 0, tile_tokens 8, split_k 1")
         # the decoded weights are v * 2**-126 unscaled in this mode; x * 2**BC_X_LOG2 keeps the products normal
@@ -320,6 +319,11 @@ class Sm90Nvfp4GroupedGemm:
 
         self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
 
+    @property
+    def kt_bytes(self) -> int:
+        """Bytes from one k-tile of a weight row to the next (``weight_tiles``: a row group's whole k-tile)."""
+        return ROWS * TILE_BYTES if self.weight_tiles else TILE_BYTES
+
     def weight_row(self, w_base: Int64, r: Int32) -> Int64:
         """Where weight row ``r`` of the expert at ``w_base`` starts its first k-tile (``weight_tiles``: row tiles)."""
         if const_expr(self.weight_tiles):
@@ -387,17 +391,12 @@ class Sm90Nvfp4GroupedGemm:
     @cute.jit
     def decode_rows(self, cw: cute.Tensor, cs: cute.Tensor, a: cute.Tensor, mt: int):
         for h in cutlass.range_constexpr(2):
-            if const_expr(self.block_columns):
-                for w in cutlass.range_constexpr(4):
-                    r = ptx.decode_e2m1x8(cw[mt, h, w])
-                    for j in cutlass.range_constexpr(4):
-                        a[mt, h, w, j] = r[j]
-            else:
+            if const_expr(not self.block_columns):  # (block_columns: the scales go on the partial sums)
                 s01 = ptx.e4m3x2_to_bf16x2_pair(cs[mt, h], ptx.DECODE_BIAS)
-                for w in cutlass.range_constexpr(4):
-                    r = ptx.decode_e2m1x8(cw[mt, h, w])
-                    for j in cutlass.range_constexpr(4):
-                        a[mt, h, w, j] = ptx.mul_bf16x2(r[j], s01[w // 2])
+            for w in cutlass.range_constexpr(4):
+                r = ptx.decode_e2m1x8(cw[mt, h, w])
+                for j in cutlass.range_constexpr(4):
+                    a[mt, h, w, j] = r[j] if const_expr(self.block_columns) else ptx.mul_bf16x2(r[j], s01[w // 2])
 
     @cute.jit
     def mma_step(self, a: cute.Tensor, xw: cute.Tensor, acc: cute.Tensor, mt: int, w: int, u: int, nb: int):

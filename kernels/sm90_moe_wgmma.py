@@ -32,7 +32,6 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from . import k_order
 from . import sm90_ptx as ptx
-from .row_tiles import ROWS, TILE_BYTES
 from .sm90_moe_gemm import K_TILE, Sm90Nvfp4GroupedGemm
 
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
@@ -96,7 +95,6 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         self.direct_top_k = 0            # prefill only: the routing kernel always runs
         self.block_columns = False
         self.weight_tiles = weight_tiles
-        self.kt_bytes = ROWS * TILE_BYTES if weight_tiles else TILE_BYTES
         if l2_prefetch not in ptx.L2_PREFETCH_BYTES:
             raise ValueError(f"l2_prefetch must be one of {ptx.L2_PREFETCH_BYTES}, got {l2_prefetch}")
         self.l2_prefetch = l2_prefetch
@@ -222,14 +220,9 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                 if ahead < n_kt:
                     self.stage_b(x_addr, x_bytes, s_smem + (ahead % S) * self.stage_bytes, st_off, ahead)
                 cute.arch.cp_async_commit_group()
-                # decoded A: a[h, w, j] = (v_j, v_{j+4}) of word w of row g + 8 h, times its block scale
-                a = cute.make_rmem_tensor((2, 4, 4), Int32)
-                for h in cutlass.range_constexpr(2):
-                    s01 = ptx.e4m3x2_to_bf16x2_pair(cs[0, h], ptx.DECODE_BIAS)
-                    for w in cutlass.range_constexpr(4):
-                        dec = ptx.decode_e2m1x8(cw[0, h, w])
-                        for j in cutlass.range_constexpr(4):
-                            a[h, w, j] = ptx.mul_bf16x2(dec[j], s01[w // 2])
+                # decoded A: a[0, h, w, j] = (v_j, v_{j+4}) of word w of row g + 8 h, times its block scale
+                a = cute.make_rmem_tensor((1, 2, 4, 4), Int32)
+                self.decode_rows(cw, cs, a, 0)
                 stage = s_smem + (kt % S) * self.stage_bytes
                 warpgroup.fence()
                 for w in cutlass.range_constexpr(4):
@@ -237,8 +230,8 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                         s = 2 * w + u
                         desc = ptx.smem_desc_sw128(stage + (s // 4) * self.region + (s % 4) * 32)
                         vals = [acc[i] for i in range(self.bn // 2)]
-                        vals = ptx.wgmma_bf16_rs(vals, a[0, w, 2 * u], a[1, w, 2 * u], a[0, w, 2 * u + 1],
-                                                 a[1, w, 2 * u + 1], desc)
+                        vals = ptx.wgmma_bf16_rs(vals, a[0, 0, w, 2 * u], a[0, 1, w, 2 * u], a[0, 0, w, 2 * u + 1],
+                                                 a[0, 1, w, 2 * u + 1], desc)
                         for i in cutlass.range_constexpr(self.bn // 2):
                             acc[i] = vals[i]
                 warpgroup.commit_group()

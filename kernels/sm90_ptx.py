@@ -97,6 +97,15 @@ def mul_bf16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
         "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, loc=loc, ip=ip))
 
 
+# PTX text: the two E4M3 bytes in the low half of operand $2 -> floats {0}, {1} (the block declares the
+# .b16 lo, hi and .b32 h2 it uses)
+_E4M3X2_TO_F32 = ("mov.b32 {{lo, hi}}, $2;\n\t"
+                  "cvt.rn.f16x2.e4m3x2 h2, lo;\n\t"
+                  "mov.b32 {{lo, hi}}, h2;\n\t"
+                  "cvt.f32.f16 {0}, lo;\n\t"
+                  "cvt.f32.f16 {1}, hi;")
+
+
 @dsl_user_op
 def e4m3x2_to_bf16x2_pair(sf: Int32, log2_bias: int, *, loc=None, ip=None) -> tuple[Int32, Int32]:
     """Two E4M3 scale bytes (low 16 bits of ``sf``) -> two BF16x2 words, each a scale times
@@ -104,11 +113,7 @@ def e4m3x2_to_bf16x2_pair(sf: Int32, log2_bias: int, *, loc=None, ip=None) -> tu
     res = llvm.inline_asm(
         _struct(2), [Int32(sf).ir_value(loc=loc, ip=ip)],
         "{.reg .b16 lo, hi, s16; .reg .b32 h2; .reg .f32 f0, f1;\n\t"
-        "mov.b32 {lo, hi}, $2;\n\t"
-        "cvt.rn.f16x2.e4m3x2 h2, lo;\n\t"
-        "mov.b32 {lo, hi}, h2;\n\t"
-        "cvt.f32.f16 f0, lo;\n\t"
-        "cvt.f32.f16 f1, hi;\n\t"
+        + _E4M3X2_TO_F32.format("f0", "f1") + "\n\t"
         f"mul.f32 f0, f0, 0f{(127 + log2_bias) << 23:08X};\n\t"
         f"mul.f32 f1, f1, 0f{(127 + log2_bias) << 23:08X};\n\t"
         "cvt.rn.bf16x2.f32 $0, f0, f0;\n\t"
@@ -122,12 +127,7 @@ def e4m3x2_to_f32x2(sf: Int32, *, loc=None, ip=None) -> tuple[Float32, Float32]:
     """Two E4M3 bytes (low 16 bits of ``sf``, first in the low byte) -> two floats, exact."""
     res = llvm.inline_asm(
         _struct(2, "f32"), [Int32(sf).ir_value(loc=loc, ip=ip)],
-        "{.reg .b16 lo, hi; .reg .b32 h2;\n\t"
-        "mov.b32 {lo, hi}, $2;\n\t"
-        "cvt.rn.f16x2.e4m3x2 h2, lo;\n\t"
-        "mov.b32 {lo, hi}, h2;\n\t"
-        "cvt.f32.f16 $0, lo;\n\t"
-        "cvt.f32.f16 $1, hi;}",
+        "{.reg .b16 lo, hi; .reg .b32 h2;\n\t" + _E4M3X2_TO_F32.format("$0", "$1") + "}",
         "=f,=f,r", has_side_effects=False, loc=loc, ip=ip)
     return _unpack(res, 2, T.f32(), Float32, loc, ip)
 
