@@ -200,9 +200,8 @@ class Sm90NvFp4MoE:
         configs = {self.config(n) for n in range(1, self.max_tokens + 1)}
         for cfg in configs:
             routing, l1, l2 = self.kernels(*cfg)
-            direct = cfg.direct
-            pairs = [self.zeros, wts, ids.view(p, 1), self.num_tiles] if direct else common
-            if not direct:
+            pairs = [self.zeros, wts, ids.view(p, 1), self.num_tiles] if cfg.direct else common
+            if not cfg.direct:
                 _compile(routing, [ids, wts, *common, self.rank[:p]])
             _compile(l1, [w, sc, torch.empty(2, **f32), x, *pairs, self.hbuf[:p], out])
             _compile(l2, [w, sc, torch.empty(1, **f32), self.hbuf[:p], *pairs, out, out])
@@ -242,17 +241,17 @@ class Sm90NvFp4MoE:
         _expect(out.dtype == torch.float32 and tuple(out.shape) == (t, self.h) and out.is_contiguous(),
                 "out must be contiguous float32 [T, H]")
         pairs = t * self.k
-        bn, wg, _, direct, _, _ = cfg = self.config(t)
+        cfg = self.config(t)
         routing, l1, l2 = self.kernels(*cfg)
         token_of, hbuf = self.token_of[:pairs], self.hbuf[:pairs]
-        if direct:  # one tile per routed pair, in [T, k] order: no sort, no routing launch
+        if cfg.direct:  # one tile per routed pair, in [T, k] order: no sort, no routing launch
             tiles, weight_of = topk_ids.reshape(pairs, 1), topk_weights.reshape(-1)
             token_of = self.zeros  # the pairs are in [T, k] order; block_columns reads zeros here
         else:
-            tiles, weight_of = self.tiles[:max_tiles_for(pairs, self.e, bn)], self.weight_of[:pairs]
+            tiles, weight_of = self.tiles[:max_tiles_for(pairs, self.e, cfg.tile_tokens)], self.weight_of[:pairs]
             _launch(routing, [topk_ids.reshape(-1), topk_weights.reshape(-1), token_of, weight_of, tiles,
                               self.num_tiles, self.rank[:pairs]])
-        if wg:
+        if cfg.wgmma:
             x = to_order(x, "staged", out=self.xbuf[:t])
         _launch(l1, [w13, w13_scale, w13_alpha.reshape(-1), x, token_of, weight_of, tiles, self.num_tiles, hbuf,
                      out])  # zeroes out; alpha pairs flattened to [2E]
