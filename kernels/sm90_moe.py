@@ -154,7 +154,7 @@ class Sm90NvFp4MoE:
             tuning.pop(key, None)
         if direct:
             tuning.update(direct_top_k=self.k, block_columns=block_columns)
-        tuning = {"interleave_rows": interleave, "weight_tiles": self.weight_tiles, **tuning}
+        tuning = {"interleave_rows": interleave, "weight_tiles": self.weight_tiles, "stage_x": direct, **tuning}
         wg_extra = {**wgmma_shape(tile_tokens), "weight_tiles": self.weight_tiles, **tuning.pop("wg", {})}
         if wgmma:
             return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),

@@ -54,6 +54,9 @@ MODES = ("swiglu", "scatter", "store")
 # (v * 2**-126) are normal floats for 2**-62 < |x| < 2**64; x * 2**64 is a BF16 bit pattern:
 BC_X_LOG2 = 64
 _BC_X_SCALE_BF16X2 = 0x5F805F80
+# stage_x: the staged row's 16-byte chunk i sits at byte 16 * (i + i // 8) (16 padding bytes after every 128), so
+# that the 4 lane quads' 16-byte reads of one k-tile fall on distinct banks; a k-tile (16 chunks) spans 288 bytes
+_STAGED_KTILE_BYTES = 288
 
 
 class Sm90Nvfp4GroupedGemm:
@@ -95,6 +98,10 @@ class Sm90Nvfp4GroupedGemm:
             ``direct_top_k``) must then hold at least ``2 * k`` zero bytes: lanes read them in place of the
             activations of the columns they do not feed.
         weight_tiles: ``w`` is in Hopper row tiles (``row_tiles``, converter ``--target sm90``), not row-major.
+        stage_x: ``"swiglu"`` with ``direct_top_k`` only: the CTA first copies its token's ``x`` row (logical order)
+            into shared memory in the ``"lane"`` K order (and, with ``block_columns``, scaled by ``2**BC_X_LOG2``),
+            so the k-tile loop reads activation words ready for the MMA: no ``prmt`` and no scaling per k-tile
+            and warp, once per CTA instead.
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
@@ -102,7 +109,7 @@ class Sm90Nvfp4GroupedGemm:
                  split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
                  pdl_prefetch: bool = False, direct_top_k: int = 0, b_order: str = "logical",
                  h_order: str = "logical", interleave_rows: bool = False, block_columns: bool = False,
-                 weight_tiles: bool = False):
+                 weight_tiles: bool = False, stage_x: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -139,11 +146,14 @@ class Sm90Nvfp4GroupedGemm:
         self.weight_tiles = weight_tiles
         if block_columns and not (self.direct_top_k and self.nb == 1 and self.split_k == 1):
             raise ValueError("block_columns needs one-token tiles: direct_top_k > 0, tile_tokens 8, split_k 1")
+        self.stage_x = stage_x and mode == "swiglu" and self.direct_top_k > 0 and b_order == "logical"
+        # the K order of the activation words the MMAs take (staged x is in the "lane" order)
+        self.read_order = "lane" if self.stage_x else b_order
         # the decoded weights are v * 2**-126 unscaled in this mode; x * 2**BC_X_LOG2 keeps the products normal
         self.epi_scale = float(2 ** (126 - BC_X_LOG2 if block_columns else ptx.EPILOGUE_LOG2))
         # activations ride the register pipeline too (two k-tiles ahead) when they are few
         if b_depth is None:
-            b_depth = 2 if self.nb == 1 else 0
+            b_depth = 2 if self.nb == 1 and not self.stage_x else 0
         if b_depth and self.depth % b_depth:
             b_depth = 0
         self.b_depth = b_depth
@@ -152,7 +162,7 @@ class Sm90Nvfp4GroupedGemm:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
                 self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
                 self.direct_top_k, self.b_order, self.h_order, self.interleave_rows, self.block_columns,
-                self.weight_tiles)
+                self.weight_tiles, self.stage_x)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -164,7 +174,7 @@ class Sm90Nvfp4GroupedGemm:
             n_tiles = mTiles.shape[0]
         self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
             grid=[self.m // self.bm, n_tiles, self.split_k], block=[self.threads, 1, 1], stream=stream,
-            use_pdl=self.pdl)
+            smem=self.staged_bytes, use_pdl=self.pdl, **self.occupancy)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -242,10 +252,12 @@ class Sm90Nvfp4GroupedGemm:
                 r = row_base + mt * 16 + g + h * 8
                 a_addr[mt, h] = self.weight_row(w_base, r)
                 s_addr[mt, h] = s_base + Int64((r // 128) * (self.kb4 * 512) + (r % 32) * 16 + ((r // 32) % 4) * 4)
-        # B row addresses of each 8-token block, for each half of a lane's 64 activation bytes
-        b_addr = cute.make_rmem_tensor((self.nb, 2), Int64)
+        # B row addresses of each 8-token block, for each half of a lane's 64 activation bytes (stage_x: shared
+        # addresses, advancing ``b_step`` bytes a k-tile)
+        b_addr = cute.make_rmem_tensor((self.nb, 2), Int32 if self.stage_x else Int64)
+        b_step = cute.make_rmem_tensor((self.nb, 2), Int32)
         x_base = mX.iterator.toint() + Int64(c * 64)
-        for nb in cutlass.range_constexpr(self.nb):
+        for nb in cutlass.range_constexpr(0 if self.stage_x else self.nb):
             t = nb * 8 + g
             if t > cnt - 1:
                 t = cnt - 1
@@ -254,9 +266,21 @@ class Sm90Nvfp4GroupedGemm:
                 brow = self.token_of(mTok, brow)
             for half in cutlass.range_constexpr(2):
                 b_addr[nb, half] = x_base + Int64(brow) * (k * 2)
-        if const_expr(self.block_columns):
-            # lane (g, c) feeds B column g, which holds the k-tile's scale block g: the first half of the lane's
-            # 32 k when g = 2c, the second when g = 2c + 1, else nothing; those halves read zeros (``mTok``)
+        # block_columns: lane (g, c) feeds B column g, which holds the k-tile's scale block g: the first half of the
+        # lane's 32 k when g = 2c, the second when g = 2c + 1, else nothing; those halves read zeros (``mTok``, or
+        # with stage_x the zero k-tile after the staged row, read in place)
+        if const_expr(self.stage_x):
+            staged = cutlass.memory.SmemAllocator().allocate_tensor(
+                cutlass.Uint8, cute.make_layout(self.staged_bytes), 16)
+            x_s = Int32(staged.iterator.toint())
+            zero_s = x_s + (self.k // K_TILE) * _STAGED_KTILE_BYTES
+            for half in cutlass.range_constexpr(2):
+                feeds = Int32(1)
+                if const_expr(self.block_columns):
+                    feeds = Int32(g == 2 * c + half)  # arithmetic, not a branch: the addresses stay in registers
+                b_addr[0, half] = zero_s + feeds * (x_s - zero_s) + (c * 4 + c // 2) * 16
+                b_step[0, half] = feeds * _STAGED_KTILE_BYTES
+        elif const_expr(self.block_columns):
             zeros = mTok.iterator.toint() + Int64(c * 64)
             for half in cutlass.range_constexpr(2):
                 if g != 2 * c + half:
@@ -285,8 +309,10 @@ class Sm90Nvfp4GroupedGemm:
                             ptx.prefetch_l2(a_addr[mt, h] + Int64(j * step * self.kt_bytes))
         if const_expr(self.pdl and self.mode == "scatter"):
             cute.arch.griddepcontrol_wait()  # L1's h (the B operand) is complete from here
+        if const_expr(self.stage_x):  # while the first weight k-tiles are on their way
+            self.stage_row(mX, self.token_of(mTok, begin), x_s, zero_s, warp * 32 + g * 4 + c)
         for d in cutlass.range_constexpr(DB):
-            self.load_b(xbuf, b_addr, d, kt0 + d)
+            self.load_b(xbuf, b_addr, b_step, d, kt0 + d)
 
         for kto in cutlass.range(0, n_kt, D, unroll=1):
             for d in cutlass.range_constexpr(D):
@@ -300,9 +326,9 @@ class Sm90Nvfp4GroupedGemm:
                     nxb = kt + DB
                     if nxb > kt_last:
                         nxb = kt_last
-                    self.load_b(xbuf, b_addr, d % DB, nxb)
+                    self.load_b(xbuf, b_addr, b_step, d % DB, nxb)
                 else:
-                    self.load_b(xw, b_addr, None, kt)
+                    self.load_b(xw, b_addr, b_step, None, kt)
                 # take this stage's weights, refill the slot with k-tile kt + D (clamped: a re-read hits cache)
                 cw = cute.make_rmem_tensor((self.row_tiles, 2, 4), Int32)
                 cs = cute.make_rmem_tensor((self.row_tiles, 2), Int32)
@@ -318,6 +344,18 @@ class Sm90Nvfp4GroupedGemm:
                 self.mma_ktile(cw, cs, xw, acc)
 
         self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
+
+    @property
+    def occupancy(self) -> dict:
+        """Launch options: ``stage_x`` kernels ask for 3 CTAs per SM (at most 168 registers). Left alone, ptxas
+        (CUDA 13) gives the staged V4-Flash L1 with ``block_columns`` 80 registers and spills in its k-tile loop;
+        with the bound it takes 128 and spills none (``tests/kernel_resources_probe.py`` checks every config)."""
+        return {"min_blocks_per_mp": 3, "preferred_smem_carveout": -1} if self.stage_x else {}
+
+    @property
+    def staged_bytes(self) -> int:
+        """Shared memory of ``stage_x``: the staged row, then one zero k-tile (0 without ``stage_x``)."""
+        return (self.k // K_TILE + 1) * _STAGED_KTILE_BYTES if self.stage_x else 0
 
     @property
     def kt_bytes(self) -> int:
@@ -341,10 +379,29 @@ class Sm90Nvfp4GroupedGemm:
                 sbuf[slot, mt, h] = ptx.ld_global_u16(s_addr[mt, h] + Int64(kt * 1024))
 
     @cute.jit
-    def load_b(self, xbuf: cute.Tensor, b_addr: cute.Tensor, slot: cutlass.Constexpr, kt: Int32):
+    def stage_row(self, mX: cute.Tensor, token: Int32, x_s: Int32, zero_s: Int32, tidx: Int32):
+        """``stage_x``: the CTA copies x[token] into shared memory in the "lane" K order (each 16-byte chunk of 8
+        logical k is permuted in place, ``k_order``), times ``2**BC_X_LOG2`` with ``block_columns``, and zeroes the
+        zero k-tile; then waits for every thread's part."""
+        src = mX.iterator.toint() + Int64(token) * (self.k * 2)
+        for i in cutlass.range(tidx, self.k // 8, self.threads, unroll=1):
+            v = ptx.ld_global_v4_keep(src + Int64(i) * 16)
+            words = [ptx.prmt(v[j // 2], v[j // 2 + 2], 0x7632 if j % 2 else 0x5410) for j in range(4)]
+            if const_expr(self.block_columns):
+                words = [ptx.mul_bf16x2(wd, Int32(_BC_X_SCALE_BF16X2)) for wd in words]
+            ptx.st_shared_v4_b32(x_s + (i + i // 8) * 16, *words)
+        if tidx < _STAGED_KTILE_BYTES // 16:
+            ptx.st_shared_v4_b32(zero_s + tidx * 16, Int32(0), Int32(0), Int32(0), Int32(0))
+        cute.arch.barrier()
+
+    @cute.jit
+    def load_b(self, xbuf: cute.Tensor, b_addr: cute.Tensor, b_step: cute.Tensor, slot: cutlass.Constexpr, kt: Int32):
         for nb in cutlass.range_constexpr(self.nb):
             for q in cutlass.range_constexpr(4):
-                v = ptx.ld_global_v4_keep(b_addr[nb, q // 2] + Int64(kt * 256 + q * 16))
+                if const_expr(self.stage_x):
+                    v = ptx.ld_shared_v4_b32(b_addr[nb, q // 2] + kt * b_step[nb, q // 2] + q * 16)
+                else:
+                    v = ptx.ld_global_v4_keep(b_addr[nb, q // 2] + Int64(kt * 256 + q * 16))
                 for i in cutlass.range_constexpr(4):
                     if const_expr(slot is None):
                         xbuf[nb, q * 4 + i] = v[i]
@@ -362,7 +419,8 @@ class Sm90Nvfp4GroupedGemm:
         steps = [(w, u, nb) for w in range(4) for u in range(2) for nb in range(self.nb)]
         dst = acc
         if const_expr(self.block_columns):
-            if const_expr(self.mode == "swiglu"):  # "scatter" reads h already scaled (the "swiglu" epilogue)
+            # "scatter" reads h already scaled (the "swiglu" epilogue), stage_x staged x so
+            if const_expr(self.mode == "swiglu" and not self.stage_x):
                 for i in cutlass.range_constexpr(16):
                     xw[0, i] = ptx.mul_bf16x2(xw[0, i], Int32(_BC_X_SCALE_BF16X2))
             dst = cute.make_rmem_tensor((self.row_tiles, 1, 4), Float32)
@@ -409,7 +467,7 @@ class Sm90Nvfp4GroupedGemm:
     def b_pair(self, xw: cute.Tensor, nb: int, step: int) -> tuple[Int32, Int32]:
         """The B registers (k, k + 4), (k + 1, k + 5) of MMA step ``step`` from a lane's 16 activation words."""
         w, u = step // 2, step % 2
-        if self.b_order == "lane":
+        if self.read_order == "lane":
             b0, b1 = xw[nb, 4 * w + 2 * u], xw[nb, 4 * w + 2 * u + 1]
         else:
             x_lo, x_hi = xw[nb, 4 * w + u], xw[nb, 4 * w + u + 2]

@@ -101,6 +101,11 @@ TUNED = [
     # on the decoded weights with two
     ("flash", 1, "uniform", {"block_columns": True}),
     ("pro", 2, "skewed", {"block_columns": False, "row_tiles": 1, "depth": 4}),
+    # the direct L1 reading x from global memory (default: staged in shared memory, ``stage_x``), and staged
+    # with 8 k-tiles of weights in flight
+    ("flash", 1, "uniform", {"stage_x": False}),
+    ("pro", 4, "skewed", {"stage_x": False}),
+    ("flash", 1, "uniform", {"block_columns": True, "l1": {"depth": 8}}),
 ]
 
 
