@@ -1,6 +1,7 @@
 """Two eager calls of one MoE layer (model, T, optional tuning JSON), for Nsight Compute: the second call's
 kernels are the ones to profile
-(``ncu -k regex:Gemm --launch-skip 2 --launch-count 2 python bench/moe_ncu.py V4-Flash 4096 [TUNING_JSON]``)."""
+(``ncu -k regex:Gemm --launch-skip 2 --launch-count 2 python bench/moe_ncu.py V4-Flash 4096 [TUNING_JSON]``).
+The tuning key ``"_weight_tiles": true`` gives the layer w13 and w2 in Hopper row tiles (``--target sm90``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from moe_bench import LIMIT, MODELS
 
 from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
+from nvfp4_megamoe.kernels.row_tiles import tile_rows
 from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
 
 
@@ -20,8 +22,12 @@ def main() -> None:
     h, i, e, k = MODELS[model]
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = random_moe_weights(e, h, i, generator=gen, device="cuda", distinct_halves=False)
+    tuning = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    tiles = tuning.pop("_weight_tiles", False)
+    if tiles:
+        w = {**w, "w13": tile_rows(w["w13"]), "w2": tile_rows(w["w2"])}
     layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=t,
-                         tuning=json.loads(sys.argv[3]) if len(sys.argv) > 3 else None)
+                         tuning=tuning, weight_tiles=tiles)
     x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
     ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
     wts = torch.rand(t, k, device="cuda", generator=gen)

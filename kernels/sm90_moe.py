@@ -49,6 +49,10 @@ INTERLEAVE_MAX_TOKENS = 4
 # fewer instructions per weight byte). Measured on an H200 (docs/benchmarks.md), with two row tiles: T = 2 V4-Flash
 # 62.8 -> 60.9 us, V4-Pro 166.2 -> 164.7 us, V4-Pro T = 1 mixed (89.4 -> 91.3 and 93.8 -> 88.6 us in two runs); with
 # one (V4-Flash T = 1) slower, 37.4 -> 41.1 us.
+# Direct calls with one row tile (V4-Flash T = 1: 384 CTAs of 4 warps, 2.8 warps per scheduler, L1 issuing in 55 % of
+# cycles and streaming at 59 % of the DRAM peak) run two warps per row group, each over half of K (``k_warps``), with
+# 2 k-tiles in flight each. Measured on an H200 (docs/benchmarks.md): V4-Flash T = 1 35.7 -> 33.6 us. With two row
+# tiles the registers do not fit three 8-warp CTAs per SM (V4-Flash T = 2 58.6 -> 85.2 us).
 
 
 class MoeConfig(NamedTuple):
@@ -59,6 +63,7 @@ class MoeConfig(NamedTuple):
     direct: bool
     interleave: bool
     block_columns: bool
+    k_warps: int
 
 
 def _smallest_tile(need: float, choices: tuple[int, ...]) -> int:
@@ -141,17 +146,22 @@ class Sm90NvFp4MoE:
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
 
     def kernels(self, tile_tokens: int, wgmma: bool = False, row_tiles: int = 1, direct: bool = False,
-                interleave: bool = False, block_columns: bool = False
+                interleave: bool = False, block_columns: bool = False, k_warps: int = 1
                 ) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
         """The three kernel objects used for a token tile size (``wgmma``: the prefill GEMMs; ``row_tiles``:
         :func:`pick_row_tiles`, which explicit ``tuning`` keys override; ``direct``: the GEMMs walk the
         routed pairs themselves and the routing kernel is not launched; ``interleave``: the decode GEMMs'
-        ``interleave_rows``; ``block_columns``: the direct GEMMs' ``block_columns``, both or neither)."""
-        tuning = {**({"row_tiles": 2, "depth": 2} if row_tiles == 2 else {}), **getattr(self, "tuning", {})}
-        l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
+        ``interleave_rows``; ``block_columns``: the direct GEMMs' ``block_columns``, both or neither; ``k_warps``: the
+        decode GEMMs' ``k_warps``, with 2 k-tiles in flight per warp)."""
+        shape = {"row_tiles": 2, "depth": 2} if row_tiles == 2 else {}
+        if k_warps > 1:
+            shape.update(k_warps=k_warps, depth=2)
+        tuning = dict(getattr(self, "tuning", {}))
         for key in ("wgmma", "wgmma_min_mean", "direct", "direct_max_tokens", "interleave_max_tokens",
-                    "block_columns"):
+                    "block_columns", "k_warps"):  # what ``config`` decides, passed in as arguments
             tuning.pop(key, None)
+        tuning = {**shape, **tuning}
+        l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
         if direct:
             tuning.update(direct_top_k=self.k, block_columns=block_columns)
         tuning = {"interleave_rows": interleave, "weight_tiles": self.weight_tiles, "stage_x": direct, **tuning}
@@ -172,7 +182,8 @@ class Sm90NvFp4MoE:
         """What a call with ``tokens`` tokens runs. ``direct`` (no routing kernel) up to ``DIRECT_MAX_TOKENS``
         tokens (``tuning`` key ``"direct_max_tokens"``), never with ``tuning={"direct": False}``; ``interleave``
         with two row tiles up to ``INTERLEAVE_MAX_TOKENS`` (``"interleave_max_tokens"``); ``block_columns`` for
-        direct calls with two row tiles (``tuning`` key ``"block_columns"``: True / False for every direct call)."""
+        direct calls with two row tiles (``tuning`` key ``"block_columns"``: True / False for every direct call);
+        ``k_warps`` 2 for direct calls with one row tile (``tuning`` key ``"k_warps"``: for every decode call)."""
         tuning = getattr(self, "tuning", {})
         wg = tuning.get("wgmma")
         if wg is None:
@@ -185,7 +196,8 @@ class Sm90NvFp4MoE:
         interleave = rt == 2 and tokens <= tuning.get("interleave_max_tokens", INTERLEAVE_MAX_TOKENS)
         direct = tokens <= direct_max and not wg
         block_columns = bool(direct and tuning.get("block_columns", rt == 2))
-        return MoeConfig(bn, wg, rt, direct, interleave, block_columns)
+        k_warps = 1 if wg else tuning.get("k_warps", 2 if direct and rt == 1 else 1)
+        return MoeConfig(bn, wg, rt, direct, interleave, block_columns, k_warps)
 
     def warmup(self, ids_dtype: torch.dtype = torch.int32) -> int:
         """Compile every kernel configuration a call with 1 <= T <= ``max_tokens`` can pick (routing ids of

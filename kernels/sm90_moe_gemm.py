@@ -98,6 +98,12 @@ class Sm90Nvfp4GroupedGemm:
             ``direct_top_k``) must then hold at least ``2 * k`` zero bytes: lanes read them in place of the
             activations of the columns they do not feed.
         weight_tiles: ``w`` is in Hopper row tiles (``row_tiles``, converter ``--target sm90``), not row-major.
+        k_warps: warps that share one row group's K inside the CTA (1 or 2; MoE modes with ``tile_tokens`` 8, else 1):
+            each sums its own k-tiles, so a CTA has ``warps * k_warps`` warps and each walks ``1 / k_warps`` of K.
+            More warps per SM hide more latency where a call has few rows (a decode call's few experts). ``"scatter"``
+            adds each warp's partial sums to ``out`` itself; ``"swiglu"`` first sums them in shared memory.
+        min_ctas: CTAs per SM the launch asks registers for (0: none; default 3 with ``stage_x`` or ``k_warps`` 2,
+            see ``occupancy``).
         stage_x: ``"swiglu"`` with ``direct_top_k`` only: the CTA first copies its token's ``x`` row (logical order)
             into shared memory in the ``"lane"`` K order (and, with ``block_columns``, scaled by ``2**BC_X_LOG2``),
             so the k-tile loop reads activation words ready for the MMA: no ``prmt`` and no scaling per k-tile
@@ -109,7 +115,7 @@ class Sm90Nvfp4GroupedGemm:
                  split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
                  pdl_prefetch: bool = False, direct_top_k: int = 0, b_order: str = "logical",
                  h_order: str = "logical", interleave_rows: bool = False, block_columns: bool = False,
-                 weight_tiles: bool = False, stage_x: bool = False):
+                 weight_tiles: bool = False, stage_x: bool = False, k_warps: int = 1, min_ctas: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -120,8 +126,11 @@ class Sm90Nvfp4GroupedGemm:
         self.warps, self.row_tiles = warps, row_tiles
         self.bm = warps * 16 * row_tiles
         self.split_k = split_k if mode == "scatter" and (k // K_TILE) % split_k == 0 else 1
-        self.threads = warps * 32
-        self.n_kt = k // K_TILE // self.split_k  # k-tiles per CTA
+        if k_warps not in (1, 2):
+            raise ValueError(f"k_warps must be 1 or 2, got {k_warps}")
+        self.k_warps = k_warps if self.nb == 1 and mode != "store" and (k // K_TILE // self.split_k) % k_warps == 0 else 1
+        self.threads = warps * self.k_warps * 32
+        self.n_kt = k // K_TILE // self.split_k // self.k_warps  # k-tiles per warp
         self.depth = max(d for d in (1, 2, 4, depth) if d <= depth and self.n_kt % d == 0)
         if m % self.bm:
             raise ValueError(f"M={m} must be a multiple of the CTA's {self.bm} rows")
@@ -147,6 +156,7 @@ class Sm90Nvfp4GroupedGemm:
         if block_columns and not (self.direct_top_k and self.nb == 1 and self.split_k == 1):
             raise ValueError("block_columns needs one-token tiles: direct_top_k > 0, tile_tokens 8, split_k 1")
         self.stage_x = stage_x and mode == "swiglu" and self.direct_top_k > 0 and b_order == "logical"
+        self.min_ctas = (3 if self.stage_x or self.k_warps > 1 else 0) if min_ctas is None else min_ctas
         # the K order of the activation words the MMAs take (staged x is in the "lane" order)
         self.read_order = "lane" if self.stage_x else b_order
         # the decoded weights are v * 2**-126 unscaled in this mode; x * 2**BC_X_LOG2 keeps the products normal
@@ -162,7 +172,7 @@ class Sm90Nvfp4GroupedGemm:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
                 self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
                 self.direct_top_k, self.b_order, self.h_order, self.interleave_rows, self.block_columns,
-                self.weight_tiles, self.stage_x)
+                self.weight_tiles, self.stage_x, self.k_warps, self.min_ctas)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -174,7 +184,7 @@ class Sm90Nvfp4GroupedGemm:
             n_tiles = mTiles.shape[0]
         self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
             grid=[self.m // self.bm, n_tiles, self.split_k], block=[self.threads, 1, 1], stream=stream,
-            smem=self.staged_bytes, use_pdl=self.pdl, **self.occupancy)
+            smem=self.smem_bytes, use_pdl=self.pdl, **self.occupancy)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -187,7 +197,8 @@ class Sm90Nvfp4GroupedGemm:
         if const_expr(self.pdl and self.mode == "swiglu"):
             cute.arch.griddepcontrol_wait()              # the routing's tiles are complete from here
             cute.arch.griddepcontrol_launch_dependents()
-        warp = tidx // 32
+        warp = tidx // 32 % self.warps        # the row group
+        kpart = tidx // 32 // self.warps       # which share of K (k_warps)
         lane = tidx % 32
         g = lane // 4
         c = lane % 4
@@ -211,8 +222,8 @@ class Sm90Nvfp4GroupedGemm:
                 begin = mTiles[by, 1]
                 end = mTiles[by, 2]
         if live != 0:
-            self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx, bz * self.n_kt,
-                      warp, g, c)
+            self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx,
+                      (bz * self.k_warps + kpart) * self.n_kt, warp, kpart, g, c)
 
     @cute.jit
     def token_of(self, mTok: cute.Tensor, p: Int32) -> Int32:
@@ -237,7 +248,7 @@ class Sm90Nvfp4GroupedGemm:
     @cute.jit
     def tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,
              mRW: cute.Tensor, mOut: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32, bx: Int32,
-             kt0: Int32, warp: Int32, g: Int32, c: Int32):
+             kt0: Int32, warp: Int32, kpart: Int32, g: Int32, c: Int32):
         k, m = self.k, self.m
         row_base = bx * self.bm + warp * (16 * self.row_tiles)
         e64 = Int64(expert)
@@ -269,10 +280,12 @@ class Sm90Nvfp4GroupedGemm:
         # block_columns: lane (g, c) feeds B column g, which holds the k-tile's scale block g: the first half of the
         # lane's 32 k when g = 2c, the second when g = 2c + 1, else nothing; those halves read zeros (``mTok``, or
         # with stage_x the zero k-tile after the staged row, read in place)
+        smem_s = Int32(0)
+        if const_expr(self.smem_bytes > 0):
+            smem_s = Int32(cutlass.memory.SmemAllocator().allocate_tensor(
+                cutlass.Uint8, cute.make_layout(self.smem_bytes), 16).iterator.toint())
         if const_expr(self.stage_x):
-            staged = cutlass.memory.SmemAllocator().allocate_tensor(
-                cutlass.Uint8, cute.make_layout(self.staged_bytes), 16)
-            x_s = Int32(staged.iterator.toint())
+            x_s = smem_s
             zero_s = x_s + (self.k // K_TILE) * _STAGED_KTILE_BYTES
             for half in cutlass.range_constexpr(2):
                 feeds = Int32(1)
@@ -310,7 +323,7 @@ class Sm90Nvfp4GroupedGemm:
         if const_expr(self.pdl and self.mode == "scatter"):
             cute.arch.griddepcontrol_wait()  # L1's h (the B operand) is complete from here
         if const_expr(self.stage_x):  # while the first weight k-tiles are on their way
-            self.stage_row(mX, self.token_of(mTok, begin), x_s, zero_s, warp * 32 + g * 4 + c)
+            self.stage_row(mX, self.token_of(mTok, begin), x_s, zero_s, (kpart * self.warps + warp) * 32 + g * 4 + c)
         for d in cutlass.range_constexpr(DB):
             self.load_b(xbuf, b_addr, b_step, d, kt0 + d)
 
@@ -343,19 +356,43 @@ class Sm90Nvfp4GroupedGemm:
                 self.load_a(wbuf, sbuf, a_addr, s_addr, d, nxt)
                 self.mma_ktile(cw, cs, xw, acc)
 
-        self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
+        if const_expr(self.reduce_bytes > 0):
+            # the second K warps hand their sums to the first through shared memory; those run the epilogue
+            red = smem_s + self.staged_bytes + (warp * 32 + g * 4 + c) * 16
+            if kpart == 1:
+                for mt in cutlass.range_constexpr(self.row_tiles):
+                    ptx.st_shared_v4_f32(red + mt * (self.warps * 512), acc[mt, 0, 0], acc[mt, 0, 1], acc[mt, 0, 2],
+                                         acc[mt, 0, 3])
+            cute.arch.barrier()
+            if kpart == 0:
+                for mt in cutlass.range_constexpr(self.row_tiles):
+                    v = ptx.ld_shared_v4_f32(red + mt * (self.warps * 512))
+                    for i in cutlass.range_constexpr(4):
+                        acc[mt, 0, i] = acc[mt, 0, i] + v[i]
+                self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
+        else:
+            self.epilogue(acc, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
 
     @property
     def occupancy(self) -> dict:
-        """Launch options: ``stage_x`` kernels ask for 3 CTAs per SM (at most 168 registers). Left alone, ptxas
-        (CUDA 13) gives the staged V4-Flash L1 with ``block_columns`` 80 registers and spills in its k-tile loop;
-        with the bound it takes 128 and spills none (``tests/kernel_resources_probe.py`` checks every config)."""
-        return {"min_blocks_per_mp": 3, "preferred_smem_carveout": -1} if self.stage_x else {}
+        """Launch options: ``min_ctas`` CTAs per SM bound the registers (3 CTAs of 128 threads: 168). Left alone,
+        ptxas (CUDA 13) gives the staged V4-Flash L1 with ``block_columns`` 80 registers and spills in its k-tile
+        loop; with the bound it takes 128 and spills none (``tests/kernel_resources_probe.py`` checks every config)."""
+        return {"min_blocks_per_mp": self.min_ctas, "preferred_smem_carveout": -1} if self.min_ctas else {}
 
     @property
     def staged_bytes(self) -> int:
         """Shared memory of ``stage_x``: the staged row, then one zero k-tile (0 without ``stage_x``)."""
         return (self.k // K_TILE + 1) * _STAGED_KTILE_BYTES if self.stage_x else 0
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Shared memory where the second K warps of ``k_warps`` leave their sums (``"swiglu"``)."""
+        return self.warps * 32 * self.row_tiles * 16 if self.k_warps > 1 and self.mode == "swiglu" else 0
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.staged_bytes + self.reduce_bytes
 
     @property
     def kt_bytes(self) -> int:
