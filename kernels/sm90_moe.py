@@ -50,9 +50,10 @@ INTERLEAVE_MAX_TOKENS = 4
 # 62.8 -> 60.9 us, V4-Pro 166.2 -> 164.7 us, V4-Pro T = 1 mixed (89.4 -> 91.3 and 93.8 -> 88.6 us in two runs); with
 # one (V4-Flash T = 1) slower, 37.4 -> 41.1 us.
 # Direct calls with one row tile (V4-Flash T = 1: 384 CTAs of 4 warps, 2.8 warps per scheduler, L1 issuing in 55 % of
-# cycles and streaming at 59 % of the DRAM peak) run two warps per row group, each over half of K (``k_warps``), with
-# 2 k-tiles in flight each. Measured on an H200 (docs/benchmarks.md): V4-Flash T = 1 35.7 -> 33.6 us. With two row
-# tiles the registers do not fit three 8-warp CTAs per SM (V4-Flash T = 2 58.6 -> 85.2 us).
+# cycles and streaming at 59 % of the DRAM peak) run L1 with two warps per row group, each over half of K
+# (``k_warps``), with 2 k-tiles in flight each. Measured on an H200 (docs/benchmarks.md): V4-Flash T = 1 35.7 ->
+# 34.0 us (33.6 with L2 so too, but its registers then spill). With two row tiles the registers do not fit three
+# 8-warp CTAs per SM (V4-Flash T = 2 58.6 -> 85.2 us).
 
 
 class MoeConfig(NamedTuple):
@@ -152,16 +153,16 @@ class Sm90NvFp4MoE:
         :func:`pick_row_tiles`, which explicit ``tuning`` keys override; ``direct``: the GEMMs walk the
         routed pairs themselves and the routing kernel is not launched; ``interleave``: the decode GEMMs'
         ``interleave_rows``; ``block_columns``: the direct GEMMs' ``block_columns``, both or neither; ``k_warps``: the
-        decode GEMMs' ``k_warps``, with 2 k-tiles in flight per warp)."""
+        decode L1's ``k_warps``, with 2 k-tiles in flight per warp)."""
         shape = {"row_tiles": 2, "depth": 2} if row_tiles == 2 else {}
-        if k_warps > 1:
-            shape.update(k_warps=k_warps, depth=2)
         tuning = dict(getattr(self, "tuning", {}))
         for key in ("wgmma", "wgmma_min_mean", "direct", "direct_max_tokens", "interleave_max_tokens",
                     "block_columns", "k_warps"):  # what ``config`` decides, passed in as arguments
             tuning.pop(key, None)
         tuning = {**shape, **tuning}
         l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
+        if k_warps > 1:
+            l1_extra = {"k_warps": k_warps, "depth": 2, **l1_extra}
         if direct:
             tuning.update(direct_top_k=self.k, block_columns=block_columns)
         tuning = {"interleave_rows": interleave, "weight_tiles": self.weight_tiles, "stage_x": direct, **tuning}
@@ -183,7 +184,7 @@ class Sm90NvFp4MoE:
         tokens (``tuning`` key ``"direct_max_tokens"``), never with ``tuning={"direct": False}``; ``interleave``
         with two row tiles up to ``INTERLEAVE_MAX_TOKENS`` (``"interleave_max_tokens"``); ``block_columns`` for
         direct calls with two row tiles (``tuning`` key ``"block_columns"``: True / False for every direct call);
-        ``k_warps`` 2 for direct calls with one row tile (``tuning`` key ``"k_warps"``: for every decode call)."""
+        ``k_warps`` 2 (L1) for direct calls with one row tile (``tuning`` key ``"k_warps"``: for every decode call)."""
         tuning = getattr(self, "tuning", {})
         wg = tuning.get("wgmma")
         if wg is None:

@@ -117,7 +117,7 @@ def test_warmup_compiles_every_configuration_a_call_can_pick():
     layer = Sm90NvFp4MoE(hidden=4096, intermediate=2048, experts=256, top_k=6, swiglu_limit=10.0,
                          max_tokens=400, device="cpu")
     picked = {layer.config(t) for t in range(1, 401)}
-    # T = 1: one row tile (two warps per row group, each over half of K), then two; no routing kernel and row
+    # T = 1: one row tile (L1 with two warps per row group, each over half of K), then two; no routing kernel and row
     # tiles interleaved up to T = 4, block scales on the partial sums with two row tiles; from 342 tokens (8 pairs
     # per expert) the WGMMA kernels
     assert layer.config(1) == (8, False, 1, True, False, False, 2)
@@ -128,7 +128,7 @@ def test_warmup_compiles_every_configuration_a_call_can_pick():
     for cfg in picked:
         routing, l1, l2 = layer.kernels(*cfg)
         assert cfg.wgmma or (l1.interleave_rows is cfg.interleave and l2.block_columns is cfg.block_columns
-                             and l1.k_warps == l2.k_warps == cfg.k_warps and l1.stage_x is cfg.direct)
+                             and l1.k_warps == cfg.k_warps and l2.k_warps == 1 and l1.stage_x is cfg.direct)
         for op in (l1, l2) if cfg.direct else (routing, l1, l2):
             assert any(key[1] == op.key() for key in cute_host._COMPILED), (cfg, type(op).__name__)
 

@@ -106,10 +106,11 @@ TUNED = [
     ("flash", 1, "uniform", {"stage_x": False}),
     ("pro", 4, "skewed", {"stage_x": False}),
     ("flash", 1, "uniform", {"block_columns": True, "l1": {"depth": 8}}),
-    # two warps per row group, each summing half of K (direct one token, direct with a repeated expert, routed)
-    ("flash", 1, "uniform", {"k_warps": 2, "depth": 2}),
-    ("small", 3, "skewed", {"k_warps": 2, "depth": 2}),
-    ("flash", 16, "skewed", {"k_warps": 2, "min_ctas": 2}),
+    # two warps per row group, each summing half of K (L1 by default at T = 1; L2 too; direct with a repeated
+    # expert; routed)
+    ("flash", 1, "uniform", {"l2": {"k_warps": 2, "depth": 2}}),
+    ("small", 3, "skewed", {"k_warps": 2, "l2": {"k_warps": 2}}),
+    ("flash", 16, "skewed", {"k_warps": 2, "min_ctas": 2, "l2": {"k_warps": 2}}),
 ]
 
 
