@@ -147,7 +147,10 @@ class Sm90Nvfp4GroupedGemm:
             raise ValueError(f"l2_prefetch must be one of {ptx.L2_PREFETCH_BYTES}, got {l2_prefetch}")
         self.l2_prefetch = l2_prefetch
         self.direct_top_k = direct_top_k if mode != "store" else 0
-        self.pdl = pdl and mode != "store" and not self.direct_top_k   # PDL orders us after the routing kernel
+        # PDL orders L1 after the routing kernel. A direct L1 follows whatever ran before, which may still read the
+        # memory of ``out`` that it zeroes: it is not launched so, but lets L2 (PDL) launch early all the same
+        self.pdl = pdl and mode != "store" and not (self.direct_top_k and mode == "swiglu")
+        self.early_dependents = pdl and bool(self.direct_top_k) and mode == "swiglu"
         self.pdl_prefetch = pdl_prefetch and self.pdl and mode == "scatter"
         self.scale_bytes = swizzled_nbytes(m, k // 16)  # per expert
         self.kb4 = math.ceil(k // 16 / 4)  # 512-byte scale atoms per 128 rows
@@ -171,6 +174,7 @@ class Sm90Nvfp4GroupedGemm:
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
                 self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
+                self.early_dependents,
                 self.direct_top_k, self.b_order, self.h_order, self.interleave_rows, self.block_columns,
                 self.weight_tiles, self.stage_x, self.k_warps, self.min_ctas)
 
@@ -196,6 +200,8 @@ class Sm90Nvfp4GroupedGemm:
             self.zero_output(mZero, bx, by, tidx)
         if const_expr(self.pdl and self.mode == "swiglu"):
             cute.arch.griddepcontrol_wait()              # the routing's tiles are complete from here
+            cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.early_dependents):
             cute.arch.griddepcontrol_launch_dependents()
         warp = tidx // 32 % self.warps        # the row group
         kpart = tidx // 32 // self.warps       # which share of K (k_warps)

@@ -128,7 +128,8 @@ def test_warmup_compiles_every_configuration_a_call_can_pick():
     for cfg in picked:
         routing, l1, l2 = layer.kernels(*cfg)
         assert cfg.wgmma or (l1.interleave_rows is cfg.interleave and l2.block_columns is cfg.block_columns
-                             and l1.k_warps == cfg.k_warps and l2.k_warps == 1 and l1.stage_x is cfg.direct)
+                             and l1.k_warps == cfg.k_warps and l2.k_warps == 1 and l1.stage_x is cfg.direct
+                             and l2.pdl is (cfg.direct and cfg.row_tiles == 2))
         for op in (l1, l2) if cfg.direct else (routing, l1, l2):
             assert any(key[1] == op.key() for key in cute_host._COMPILED), (cfg, type(op).__name__)
 
