@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .nvfp4_reference import decode_gate_up, decode_weight
+from .row_tiles import untile_rows
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
@@ -53,7 +54,7 @@ def _check(x, topk_ids, topk_weights, w13, w13_scale, w13_alpha, w2, w2_scale, w
 def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   w13: torch.Tensor, w13_scale: torch.Tensor, w13_alpha: torch.Tensor,
                   w2: torch.Tensor, w2_scale: torch.Tensor, w2_alpha: torch.Tensor,
-                  swiglu_limit: float | None) -> torch.Tensor:
+                  swiglu_limit: float | None, weight_tiles: bool = False) -> torch.Tensor:
     """Routed-expert MoE on format-1 NVFP4 weights, float32 ``[T, H]`` (contract in the module docstring).
 
     Args:
@@ -64,6 +65,8 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
             (gate, up; or ``[E]`` shared).
         w2, w2_scale, w2_alpha: ``uint8 [E, H, I/2]``, ``uint8 [E, swz(H, I/16)]``, ``float32 [E]``.
         swiglu_limit: the clamp ``L`` (``config.swiglu_limit``), or None for no clamp.
+        weight_tiles: ``w13`` and ``w2`` are in Hopper row tiles (``row_tiles``, ``--target sm90``); each expert
+            used is un-tiled when it is decoded, so no row-major copy of all experts is made.
 
     Raises:
         ValueError: on shapes or dtypes that do not match the contract.
@@ -77,10 +80,11 @@ def moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     for e in torch.unique(flat_ids).tolist():
         sel = (flat_ids == e).nonzero().squeeze(1)
         tokens = token_of[sel]
-        gate_w, up_w = decode_gate_up(w13[e], w13_scale[e], w13_alpha[e])
+        w13_e, w2_e = (untile_rows(w13[e]), untile_rows(w2[e])) if weight_tiles else (w13[e], w2[e])
+        gate_w, up_w = decode_gate_up(w13_e, w13_scale[e], w13_alpha[e])
         xs = xf[tokens]
         h = swiglu_clamped(xs @ gate_w.T, xs @ up_w.T, swiglu_limit) * flat_w[sel, None]
-        out.index_add_(0, tokens, h @ decode_weight(w2[e], w2_scale[e], w2_alpha[e]).T)
+        out.index_add_(0, tokens, h @ decode_weight(w2_e, w2_scale[e], w2_alpha[e]).T)
     return out
 
 

@@ -66,8 +66,8 @@ class ReferenceBackend:
             swiglu_limit: float) -> torch.Tensor:
         """Routed experts held by this rank. ``ids`` are global; those outside the held range are skipped."""
         start, stop = experts.expert_range
-        w13, w2 = experts.row_major()
-        args = (w13, experts.w13_scale, experts.w13_alpha, w2, experts.w2_scale, experts.w2_alpha, swiglu_limit)
+        args = (experts.w13, experts.w13_scale, experts.w13_alpha, experts.w2, experts.w2_scale, experts.w2_alpha,
+                swiglu_limit, experts.row_tiles)
         if (start, stop) == (0, experts.n_experts):
             return moe_reference(x, ids, weights, *args)
         # Expert parallel: keep the (token, slot) pairs routed here, one pair per row.

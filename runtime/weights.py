@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 
 from nvfp4_megamoe.kernels.nvfp4 import BLOCK
-from nvfp4_megamoe.kernels.row_tiles import untile_rows
 from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .format import FormatError, fp8_linear_names, fused_expert_names, has_row_tiles, nvfp4_linear_names
@@ -112,7 +111,7 @@ class MoEWeights:
     ``w13`` U8 [n, 2I, H/2] (gate/up interleaved by 8), ``w13_scale`` U8 [n, swz(2I, H/16)],
     ``w13_alpha`` F32 [n, 2] (gate, up); ``w2`` U8 [n, H, I/2], ``w2_scale``, ``w2_alpha`` F32 [n].
     ``row_tiles``: ``w13`` and ``w2`` hold those bytes in Hopper row tiles (``kernels/row_tiles.py``, a
-    ``--target sm90`` conversion); :meth:`row_major` gives them row-major.
+    ``--target sm90`` conversion; the reference path un-tiles each expert it uses as it decodes it).
     """
 
     gate: DenseLinear                 # router [E, H], all experts
@@ -128,15 +127,6 @@ class MoEWeights:
     n_experts: int
     shared: SharedExpertWeights
     row_tiles: bool = False
-    _row_major: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
-
-    def row_major(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(w13, w2)`` row-major (un-tiled once, then kept, when the checkpoint stores row tiles)."""
-        if not self.row_tiles:
-            return self.w13, self.w2
-        if self._row_major is None:
-            self._row_major = (untile_rows(self.w13), untile_rows(self.w2))
-        return self._row_major
 
     @property
     def is_hash(self) -> bool:

@@ -9,6 +9,7 @@ from nvfp4_megamoe.kernels.interleave import interleave_gate_up
 from nvfp4_megamoe.kernels.moe_reference import moe_reference, moe_reference_dense, random_moe_weights
 from nvfp4_megamoe.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from nvfp4_megamoe.kernels.nvfp4_reference import decode_weight
+from nvfp4_megamoe.kernels.row_tiles import tile_rows
 from nvfp4_megamoe.kernels.swizzle import swizzle_block_scales
 
 
@@ -72,6 +73,22 @@ def test_reference_decodes_random_format1_weights():
     out = moe_reference(x, ids, wts, **fmt, swiglu_limit=10.0)
     assert _relerr(out, ref) < 1e-5
     assert float(out.abs().mean()) > 0.01  # random data, not a degenerate all-zero layer
+
+
+def test_reference_reads_row_tiled_weights():
+    """``weight_tiles``: the same layer from w13 and w2 in Hopper row tiles (each expert un-tiled as it is used)."""
+    gen = torch.Generator().manual_seed(3)
+    e, h, i, t, k = 4, 256, 128, 6, 2
+    fmt = random_moe_weights(e, h, i, generator=gen)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(t, e, generator=gen).topk(k, dim=1).indices
+    wts = torch.rand(t, k, generator=gen)
+    tiled = {**fmt, "w13": tile_rows(fmt["w13"]), "w2": tile_rows(fmt["w2"])}
+    assert not tiled["w13"].equal(fmt["w13"])
+    out = moe_reference(x, ids, wts, **tiled, swiglu_limit=10.0, weight_tiles=True)
+    assert torch.equal(out, moe_reference(x, ids, wts, **fmt, swiglu_limit=10.0))
+    assert float(out.abs().mean()) > 0.01
+    assert _relerr(moe_reference(x, ids, wts, **tiled, swiglu_limit=10.0), out) > 0.1  # tiles read as rows: wrong
 
 
 def test_reference_rejects_bad_shapes():
