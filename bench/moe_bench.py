@@ -27,7 +27,7 @@ from gpu_timing import ColdTimer, capture, measure_bf16_matmul, measure_copy  # 
 
 from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
 from nvfp4_megamoe.kernels.nvfp4_reference import decode_weight
-from nvfp4_megamoe.kernels.row_tiles import tile_rows
+from nvfp4_megamoe.kernels.row_tiles import tile_expert_weights
 from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
 
 MODELS = {"V4-Flash": (4096, 2048, 256, 6), "V4-Pro": (7168, 3072, 384, 6)}
@@ -254,7 +254,7 @@ def main() -> None:
                     if impl.startswith("ours"):
                         lay = layer if impl == "ours" else variants[impl]
                         if lay.weight_tiles and w_tiled is None:
-                            w_tiled = {**w, "w13": tile_rows(w["w13"]), "w2": tile_rows(w["w2"])}
+                            w_tiled = tile_expert_weights(w)
                         ww = w_tiled if lay.weight_tiles else w
                         fn = lambda: lay(x, ids, wts, **ww, out=out)  # noqa: E731
                     elif impl == "torch_bf16":

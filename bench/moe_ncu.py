@@ -13,7 +13,7 @@ import torch
 from moe_bench import LIMIT, MODELS
 
 from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
-from nvfp4_megamoe.kernels.row_tiles import tile_rows
+from nvfp4_megamoe.kernels.row_tiles import tile_expert_weights
 from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
 
 
@@ -25,7 +25,7 @@ def main() -> None:
     tuning = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     tiles = tuning.pop("_weight_tiles", False)
     if tiles:
-        w = {**w, "w13": tile_rows(w["w13"]), "w2": tile_rows(w["w2"])}
+        w = tile_expert_weights(w)
     layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=t,
                          tuning=tuning, weight_tiles=tiles)
     x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)

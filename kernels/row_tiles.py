@@ -31,6 +31,12 @@ def tile_rows(w: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(w.shape)
 
 
+def tile_expert_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A routed-expert weight dict (``w13``, ``w2``, their scales and alphas) with ``w13`` and ``w2`` in row tiles, as a
+    ``--target sm90`` conversion stores them; the other entries are the same tensors."""
+    return {**weights, "w13": tile_rows(weights["w13"]), "w2": tile_rows(weights["w2"])}
+
+
 def untile_rows(w: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`tile_rows`."""
     groups, tiles = _check(w)

@@ -9,7 +9,7 @@ from nvfp4_megamoe.kernels.interleave import interleave_gate_up
 from nvfp4_megamoe.kernels.moe_reference import moe_reference, moe_reference_dense, random_moe_weights
 from nvfp4_megamoe.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from nvfp4_megamoe.kernels.nvfp4_reference import decode_weight
-from nvfp4_megamoe.kernels.row_tiles import tile_rows
+from nvfp4_megamoe.kernels.row_tiles import tile_expert_weights
 from nvfp4_megamoe.kernels.swizzle import swizzle_block_scales
 
 
@@ -83,7 +83,7 @@ def test_reference_reads_row_tiled_weights():
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
     ids = torch.rand(t, e, generator=gen).topk(k, dim=1).indices
     wts = torch.rand(t, k, generator=gen)
-    tiled = {**fmt, "w13": tile_rows(fmt["w13"]), "w2": tile_rows(fmt["w2"])}
+    tiled = tile_expert_weights(fmt)
     assert not tiled["w13"].equal(fmt["w13"])
     out = moe_reference(x, ids, wts, **tiled, swiglu_limit=10.0, weight_tiles=True)
     assert torch.equal(out, moe_reference(x, ids, wts, **fmt, swiglu_limit=10.0))

@@ -137,7 +137,7 @@ def test_moe_with_row_tiles_matches_reference(shape, tokens, kind, tuning):
 
 @pytest.mark.parametrize("shape,tokens,kind", CASES)
 def test_moe_matches_reference(shape, tokens, kind, tuning=None, tiles=False):
-    from nvfp4_megamoe.kernels.row_tiles import tile_rows
+    from nvfp4_megamoe.kernels.row_tiles import tile_expert_weights
     h, i, e, k = SHAPES[shape]
     w = _weights(shape)
     layer = _layer(shape, tuning, tiles)
@@ -148,7 +148,7 @@ def test_moe_matches_reference(shape, tokens, kind, tuning=None, tiles=False):
         assert int(torch.bincount(ids.flatten(), minlength=e)[e // 2:].sum()) == 0
     out = torch.full((tokens, h), float("nan"), device="cuda")
     layer.hbuf.fill_(float("nan"))
-    layer(x, ids, wts, **({**w, "w13": tile_rows(w["w13"]), "w2": tile_rows(w["w2"])} if tiles else w), out=out)
+    layer(x, ids, wts, **(tile_expert_weights(w) if tiles else w), out=out)
     torch.cuda.synchronize()
     ref = moe_reference(x, ids, wts, **w, swiglu_limit=10.0)
     assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
