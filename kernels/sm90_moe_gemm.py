@@ -381,10 +381,10 @@ class Sm90Nvfp4GroupedGemm:
 
     @property
     def occupancy(self) -> dict:
-        """Launch options: ``min_ctas`` CTAs per SM bound the registers (3 CTAs: 168 a thread with 128 threads, 80 with
-        256, as ``k_warps`` 2 has). Left alone,
-        ptxas (CUDA 13) gives the staged V4-Flash L1 with ``block_columns`` 80 registers and spills in its k-tile
-        loop; with the bound it takes 128 and spills none (``tests/kernel_resources_probe.py`` checks every config)."""
+        """Launch options: ``min_ctas`` CTAs per SM bound the registers (3 CTAs: 168 a thread with 128 threads, 80
+        with 256, as ``k_warps`` 2 has). Left alone, ptxas (CUDA 13) gives the staged V4-Flash L1 with
+        ``block_columns`` 80 registers and spills in its k-tile loop; with the bound it takes 128 and spills none
+        (``tests/kernel_resources_probe.py`` checks every config)."""
         return {"min_blocks_per_mp": self.min_ctas, "preferred_smem_carveout": -1} if self.min_ctas else {}
 
     @property
