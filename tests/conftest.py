@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-from nvfp4_megamoe.kernels.cute_host import CACHE_ENV
+# Every CuTeDSL kernel here targets sm_90a, and CuTeDSL fixes its target when first imported: set it before any test
+# module imports it (on a machine without a GPU it would otherwise compile for sm_100a), whatever the modules' order.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from nvfp4_megamoe.kernels.cute_host import CACHE_ENV  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")
