@@ -134,13 +134,21 @@ def test_warmup_compiles_every_configuration_a_call_can_pick():
             assert any(key[1] == op.key() for key in cute_host._COMPILED), (cfg, type(op).__name__)
 
 
-@pytest.mark.parametrize("ids_dtype,block_columns", [(torch.int32, True), (torch.int64, True), (torch.int32, False)])
-def test_direct_gemms_compile_sm90a(ids_dtype, block_columns):
+# the default direct L1 stages x in shared memory; x read from global memory instead, and L2 with two warps per row
+# group (a tuning; L1 has them by default at T = 1, see test_warmup_compiles_every_configuration_a_call_can_pick)
+NO_STAGE, L2_K_WARPS = {"stage_x": False}, {"l2": {"k_warps": 2, "depth": 2}}
+
+
+@pytest.mark.parametrize("ids_dtype,block_columns,tuning", [
+    (torch.int32, True, None), (torch.int64, True, None), (torch.int32, False, None), (torch.int32, True, NO_STAGE),
+    (torch.int32, False, NO_STAGE), (torch.int32, False, L2_K_WARPS)])
+def test_direct_gemms_compile_sm90a(ids_dtype, block_columns, tuning):
     """A few tokens: the GEMMs read topk_ids [P, 1] and topk_weights [P] themselves (no routing kernel), with or
     without the block scales applied to fp32 partial sums (``block_columns``, which needs those one-token tiles)."""
     h, i, experts = V4["flash"]
-    layer = _Layer(h, i, experts, 6, 10.0)
+    layer = _Layer(h, i, experts, 6, 10.0, tuning)
     _, l1, l2 = Sm90NvFp4MoE.kernels(layer, 8, False, 1, direct=True, block_columns=block_columns)
+    assert l1.stage_x is (tuning is not NO_STAGE) and l2.k_warps == (2 if tuning is L2_K_WARPS else 1)
     assert l1.direct_top_k == 6 and l2.direct_top_k == 6 and not l1.pdl
     assert l1.block_columns is block_columns and l2.block_columns is block_columns
     assert not Sm90NvFp4MoE.kernels(_Layer(h, i, experts, 6, 10.0), 8, False, 1)[1].block_columns
