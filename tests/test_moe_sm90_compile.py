@@ -48,8 +48,9 @@ PDL = {"pdl": True, "pdl_prefetch": True, "l2_prefetch": 256}
     ("pro", 16, False, {"row_tiles": 2, "depth": 2, "pdl": True, "l2": {"split_k": 2}}, False),
     ("flash", 32, True, None, False), ("flash", 80, True, None, False), ("flash", 128, True, None, False),
     ("pro", 96, True, None, False), ("flash", 128, True, {"wg": {"l2_prefetch": 256}}, False),
-    # weights in Hopper row tiles (converter --target sm90)
+    # weights in Hopper row tiles (converter --target sm90); routed tiles with two warps per row group
     ("flash", 8, False, PDL, True), ("pro", 16, False, {"row_tiles": 2, "depth": 2}, True),
+    ("flash", 8, False, {"min_ctas": 2, "l1": {"k_warps": 2}, "l2": {"k_warps": 2}}, True),
     ("flash", 128, True, None, True)])
 def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma, tuning, tiles):
     h, i, experts = V4[model]
