@@ -19,7 +19,6 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not insta
 from nvfp4_megamoe.kernels.cute_host import compile_op  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4GroupedGemm  # noqa: E402
-from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes  # noqa: E402
 from sm90_stand_ins import moe_gemm_args  # noqa: E402
 
 if os.environ["CUTE_DSL_ARCH"] != "sm_90a":
@@ -155,17 +154,11 @@ def test_direct_gemms_compile_sm90a(ids_dtype, block_columns, tuning):
     assert not Sm90NvFp4MoE.kernels(_Layer(h, i, experts, 6, 10.0), 8, False, 1)[1].block_columns
     with pytest.raises(ValueError, match="one-token tiles"):
         Sm90Nvfp4GroupedGemm(m=2 * i, k=h, mode="swiglu", block_columns=True)
-    e, p = 2, 6
-    ids, wts, tok, ntiles = torch.zeros(p, 1, dtype=ids_dtype), torch.zeros(p), torch.zeros(p, dtype=torch.int32), \
-        torch.zeros(1, dtype=torch.int32)
-    hbuf = torch.zeros(p, i, dtype=torch.bfloat16)
-    w13 = torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8)
-    s13 = torch.zeros(e, swizzled_nbytes(2 * i, h // 16), dtype=torch.uint8)
-    x, out = torch.zeros(1, h, dtype=torch.bfloat16), torch.zeros(1, h)
-    assert compile_op(l1, [w13, s13, torch.zeros(2 * e), x, tok, wts, ids, ntiles, hbuf, out]) is not None
-    w2 = torch.zeros(e, h, i // 2, dtype=torch.uint8)
-    s2 = torch.zeros(e, swizzled_nbytes(h, i // 16), dtype=torch.uint8)
-    assert compile_op(l2, [w2, s2, torch.zeros(e), hbuf, tok, wts, ids, ntiles, out, out]) is not None
+    # the routed operands, with topk_ids [P, 1] where the tiles go
+    _, l1_args, l2_args = moe_gemm_args(h, i)
+    ids = torch.zeros(l1_args[5].numel(), 1, dtype=ids_dtype)
+    for op, args in ((l1, l1_args), (l2, l2_args)):
+        assert compile_op(op, [*args[:6], ids, *args[7:]]) is not None
 
 
 def test_register_e2m1_decode_is_exact_for_every_code_in_every_slot():
