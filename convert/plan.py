@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .errors import PlanError
-from nvfp4_megamoe.kernels.row_tiles import ROWS, TILE_BYTES
+from nvfp4_megamoe.kernels.row_tiles import ROWS, TILE_BYTES, tileable
 
 from .options import DENSE_MODES, TARGETS, Options
 from .rules import FUSED, FUSED_PARTS, matching_rules
@@ -152,7 +152,7 @@ def _matrix_unit(source: PlanSource, key: tuple, group: dict, config: dict, offe
         offenders.append((first, file_of(first), f"shape [{rows}, {cols}] cannot become NVFP4 (needs in % 32 == 0, out % 8 == 0)"))
     if len(offenders) > known:
         return None
-    if row_tiles and (len(parts) * rows % ROWS or cols % (2 * TILE_BYTES)):
+    if row_tiles and not tileable(len(parts) * rows, cols // 2):
         offenders.append((f"{prefix}.*.{'/'.join(parts)}", "-",
                           f"--target sm90 tiles routed experts by {ROWS} output rows x {2 * TILE_BYTES} inputs, "
                           f"which [{len(parts) * rows}, {cols}] does not divide into; convert with --target sm100"))

@@ -16,8 +16,13 @@ ROWS = 16        # weight rows per warp
 TILE_BYTES = 64  # bytes of one row's 128-K tile (two E2M1 codes a byte)
 
 
+def tileable(rows: int, row_bytes: int) -> bool:
+    """Whether packed weights of ``rows`` rows of ``row_bytes`` bytes (K/2) divide into row tiles."""
+    return rows % ROWS == 0 and row_bytes % TILE_BYTES == 0
+
+
 def _check(w: torch.Tensor) -> tuple[int, int]:
-    if w.dim() < 2 or w.shape[-2] % ROWS or w.shape[-1] % TILE_BYTES:
+    if w.dim() < 2 or not tileable(w.shape[-2], w.shape[-1]):
         raise ValueError(f"row tiles need packed weights [..., M, K/2] with M % {ROWS} == 0 and "
                          f"K/2 % {TILE_BYTES} == 0, got shape {tuple(w.shape)}")
     return w.shape[-2] // ROWS, w.shape[-1] // TILE_BYTES
