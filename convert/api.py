@@ -302,8 +302,9 @@ def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int
 
 
 def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, dense: str = "nvfp4",
-                       target: str = "sm100", shard_size: int = DEFAULT_SHARD_SIZE, dry_run: bool = False, progress: bool = True,
-                       on_plan: Callable[[Plan], None] | None = None, revision: str | None = None,
+                       target: str = "sm100", shard_size: int = DEFAULT_SHARD_SIZE, dry_run: bool = False,
+                       progress: bool = True, on_plan: Callable[[Plan], None] | None = None,
+                       revision: str | None = None,
                        resume: bool = False, keep_source: bool = True, workers: int = DEFAULT_WORKERS,
                        cache_dir: str | os.PathLike | None = None, direct_io: bool = True) -> ConvertResult:
     """Convert a DeepSeek-V4 checkpoint (a folder, or a Hub repo id ``owner/name``) to format 1 in ``out``.

@@ -322,21 +322,22 @@ def st_shared_f32(smem: Int32, v: Float32, *, loc=None, ip=None) -> None:
                     has_side_effects=True, loc=loc, ip=ip)
 
 
-# 16-byte shared-memory vectors of 32-bit floats ("f") or words ("r"): (PTX type, converter, MLIR type)
-_V4 = {"f": ("f32", _f32, T.f32, Float32), "r": ("b32", _i32, T.i32, Int32)}
+# 16-byte shared-memory vectors of 32-bit floats ("f") or words ("r"): (PTX type, LLVM type, converter, MLIR type,
+# DSL type)
+_V4 = {"f": ("f32", "f32", _f32, T.f32, Float32), "r": ("b32", "i32", _i32, T.i32, Int32)}
 
 
 def _st_shared_v4(kind: str, smem: Int32, vals, loc, ip) -> None:
-    ty, conv, _, _ = _V4[kind]
+    ty, _, conv, _, _ = _V4[kind]
     llvm.inline_asm(None, [_i32(smem, loc, ip)] + [conv(v, loc, ip) for v in vals],
                     f"st.shared.v4.{ty} [$0], {{$1, $2, $3, $4}};", "r" + f",{kind}" * 4,
                     has_side_effects=True, loc=loc, ip=ip)
 
 
 def _ld_shared_v4(kind: str, smem: Int32, loc, ip) -> tuple:
-    ty, _, mlir_ty, wrap = _V4[kind]
+    ty, llvm_ty, _, mlir_ty, wrap = _V4[kind]
     res = llvm.inline_asm(
-        _struct(4, ty.replace("b", "i")), [_i32(smem, loc, ip)],
+        _struct(4, llvm_ty), [_i32(smem, loc, ip)],
         f"ld.shared.v4.{ty} {{$0, $1, $2, $3}}, [$4];", f"={kind}," * 4 + "r", has_side_effects=True, loc=loc, ip=ip)
     return _unpack(res, 4, mlir_ty(), wrap, loc, ip)
 
