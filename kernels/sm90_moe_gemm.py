@@ -535,6 +535,19 @@ class Sm90Nvfp4GroupedGemm:
                     v = acc[mt, 0, 2 * h] + acc[mt, 0, 2 * h + 1]
                     v = v + cute.arch.shuffle_sync_bfly(v, 1)
                     acc[mt, 0, 2 * h] = v + cute.arch.shuffle_sync_bfly(v, 2)
+        # "scatter": every column's token and routing weight loaded first, unconditionally (columns past the tile's
+        # pairs read its last pair), so the loads issue back to back: loaded under each column's branch, each paid a
+        # load latency in turn (Nsight Compute: the L2 GEMM of V4-Flash T = 4096 1.16 -> 1.06 ms, docs/benchmarks.md)
+        toks = cute.make_rmem_tensor((self.nb, 2), Int32)
+        wts = cute.make_rmem_tensor((self.nb, 2), Float32)
+        if const_expr(self.mode == "scatter"):
+            for nb in cutlass.range_constexpr(self.nb):
+                for tt in cutlass.range_constexpr(2):
+                    t = nb * 8 + 2 * c + tt
+                    if t > cnt - 1:
+                        t = cnt - 1
+                    toks[nb, tt] = self.token_of(mTok, begin + t)
+                    wts[nb, tt] = mRW[begin + t]
         for mt in cutlass.range_constexpr(self.row_tiles):
             r0 = row_base + mt * 16 + g
             for nb in cutlass.range_constexpr(self.nb):
@@ -557,8 +570,7 @@ class Sm90Nvfp4GroupedGemm:
                             addr = out_base + (Int64(p) * (self.m // 2) + Int64(j)) * 2
                             ptx.st_global_b16(addr, ptx.f32x2_to_bf16x2(hval, hval))
                         elif const_expr(self.mode == "scatter"):
-                            tok = self.token_of(mTok, p)
-                            wt = mRW[p]
+                            tok, wt = toks[nb, tt], wts[nb, tt]
                             addr = out_base + (Int64(tok) * self.m + Int64(r0)) * 4
                             ptx.red_add_f32(addr, lo * wt)
                             ptx.red_add_f32(addr + 32, hi * wt)
