@@ -170,6 +170,7 @@ class Sm90Nvfp4GroupedGemm:
         if b_depth and self.depth % b_depth:
             b_depth = 0
         self.b_depth = b_depth
+        self.ids_first = True  # the scatter epilogue loads every column's token and weight first (``epilogue``)
 
     def key(self) -> tuple:
         return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
@@ -537,10 +538,11 @@ class Sm90Nvfp4GroupedGemm:
                     acc[mt, 0, 2 * h] = v + cute.arch.shuffle_sync_bfly(v, 2)
         # "scatter": every column's token and routing weight loaded first, unconditionally (columns past the tile's
         # pairs read its last pair), so the loads issue back to back: loaded under each column's branch, each paid a
-        # load latency in turn (Nsight Compute: the L2 GEMM of V4-Flash T = 4096 1.16 -> 1.06 ms, docs/benchmarks.md)
+        # load latency in turn (Nsight Compute: the L2 GEMM of V4-Flash T = 4096 1.16 -> 1.06 ms, docs/benchmarks.md).
+        # ``ids_first`` False (WGMMA CTAs capped at three per SM, which these registers do not fit): loaded per column
         toks = cute.make_rmem_tensor((self.nb, 2), Int32)
         wts = cute.make_rmem_tensor((self.nb, 2), Float32)
-        if const_expr(self.mode == "scatter"):
+        if const_expr(self.mode == "scatter" and self.ids_first):
             for nb in cutlass.range_constexpr(self.nb):
                 for tt in cutlass.range_constexpr(2):
                     t = nb * 8 + 2 * c + tt
@@ -570,7 +572,10 @@ class Sm90Nvfp4GroupedGemm:
                             addr = out_base + (Int64(p) * (self.m // 2) + Int64(j)) * 2
                             ptx.st_global_b16(addr, ptx.f32x2_to_bf16x2(hval, hval))
                         elif const_expr(self.mode == "scatter"):
-                            tok, wt = toks[nb, tt], wts[nb, tt]
+                            if const_expr(self.ids_first):
+                                tok, wt = toks[nb, tt], wts[nb, tt]
+                            else:
+                                tok, wt = self.token_of(mTok, p), mRW[p]
                             addr = out_base + (Int64(tok) * self.m + Int64(r0)) * 4
                             ptx.red_add_f32(addr, lo * wt)
                             ptx.red_add_f32(addr + 32, hi * wt)

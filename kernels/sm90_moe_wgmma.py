@@ -86,6 +86,9 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         if h_order not in k_order.ORDERS:
             raise ValueError(f"h_order must be one of {k_order.ORDERS}, got {h_order!r}")
         self.stages, self.h_order = stages, h_order
+        # the scatter's ids loaded first (``epilogue``) do not fit under the register cap of three CTAs per SM: ptxas
+        # spills 88 bytes at N = 32
+        self.ids_first = min_ctas < 3
         self.min_ctas = min_ctas
         if l2_ahead < 0:
             raise ValueError(f"l2_ahead must be >= 0, got {l2_ahead}")
