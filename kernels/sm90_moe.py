@@ -12,8 +12,7 @@ workspaces are sized once for ``max_tokens``, so the call is CUDA-graph capturab
 
 From ``WGMMA_MIN_MEAN`` routed pairs per expert on (prefill), steps 2 and 3 run the WGMMA kernels of
 ``sm90_moe_wgmma`` instead (same operands and epilogues; ``tuning={"wgmma": True/False}`` forces a path);
-they read activations in the ``"staged"`` K order, so ``x`` is first permuted into a workspace
-(``sm90_staged_x``).
+they read activations in the ``"staged"`` K order, so ``x`` is first permuted into a workspace.
 
 Weights are format 1 as written by ``convert`` (``docs/format.md``), ``w13`` and ``w2`` row-major or, from a
 ``--target sm90`` conversion, in Hopper row tiles (``weight_tiles``); the contract of each operand is in
@@ -33,7 +32,7 @@ from .sm90_moe_gemm import Sm90Nvfp4GroupedGemm
 from .sm90_moe_routing import Sm90MoeRouting, max_tiles_for
 from .sm90_moe_wgmma import WGMMA_TILE_TOKENS, Sm90Nvfp4WgmmaGemm
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
-from .sm90_staged_x import Sm90StagedCopy
+from .k_order import to_order
 from .swizzle import swizzled_nbytes
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)
@@ -224,8 +223,6 @@ class Sm90NvFp4MoE:
                 _compile(routing, [ids, wts, *common, self.rank[:p]])
             _compile(l1, [w, sc, torch.empty(2, **f32), x, *pairs, self.hbuf[:p], out])
             _compile(l2, [w, sc, torch.empty(1, **f32), self.hbuf[:p], *pairs, out, out])
-        if any(cfg.wgmma for cfg in configs):
-            _compile(Sm90StagedCopy(), [x, x])
         return len(configs)
 
     def check_weights(self, w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha) -> None:
@@ -273,9 +270,7 @@ class Sm90NvFp4MoE:
             _launch(routing, [topk_ids.reshape(-1), topk_weights.reshape(-1), token_of, weight_of, tiles,
                               self.num_tiles, self.rank[:pairs]])
         if cfg.wgmma:
-            xs = self.xbuf[:t]
-            _launch(Sm90StagedCopy(), [x, xs])
-            x = xs
+            x = to_order(x, "staged", out=self.xbuf[:t])
         _launch(l1, [w13, w13_scale, w13_alpha.reshape(-1), x, token_of, weight_of, tiles, self.num_tiles, hbuf,
                      out])  # zeroes out; alpha pairs flattened to [2E]
         _launch(l2, [w2, w2_scale, w2_alpha, hbuf, token_of, weight_of, tiles, self.num_tiles, out, out])

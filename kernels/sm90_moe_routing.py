@@ -21,7 +21,6 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 THREADS = 1024
-BATCH = 8  # pairs a thread loads at once
 
 
 def max_tiles_for(pairs: int, experts: int, tile_tokens: int) -> int:
@@ -64,17 +63,9 @@ class Sm90MoeRouting:
         for e in cutlass.range(tidx, E, THREADS, unroll=1):
             s_cnt[e] = Int32(0)
         cute.arch.sync_threads()
-        # pairs in batches of BATCH per thread, each batch's loads issued before its atomics and stores (a load after a
-        # global store must wait for it: it may alias), so a thread pays one load latency per batch, not per pair
-        for p0 in cutlass.range(tidx, n_pairs, THREADS * BATCH, unroll=1):
-            ev = cute.make_rmem_tensor((BATCH,), Int32)
-            for j in cutlass.range_constexpr(BATCH):
-                ev[j] = Int32(0)
-                if p0 + j * THREADS < n_pairs:
-                    ev[j] = Int32(mIds[p0 + j * THREADS])
-            for j in cutlass.range_constexpr(BATCH):
-                if p0 + j * THREADS < n_pairs:
-                    mRank[p0 + j * THREADS] = cute.arch.atomic_add((s_cnt.iterator + ev[j]).llvm_ptr, Int32(1))
+        for p in cutlass.range(tidx, n_pairs, THREADS, unroll=1):
+            e = Int32(mIds[p])
+            mRank[p] = cute.arch.atomic_add((s_cnt.iterator + e).llvm_ptr, Int32(1))
         cute.arch.sync_threads()
 
         if warp == 0:
@@ -121,16 +112,8 @@ class Sm90MoeRouting:
                 mTiles[t0 + j, 0] = e
                 mTiles[t0 + j, 1] = b
                 mTiles[t0 + j, 2] = stop
-        for p0 in cutlass.range(tidx, n_pairs, THREADS * BATCH, unroll=1):
-            qv = cute.make_rmem_tensor((BATCH,), Int32)
-            wv = cute.make_rmem_tensor((BATCH,), cutlass.Float32)
-            for j in cutlass.range_constexpr(BATCH):
-                qv[j] = Int32(0)
-                wv[j] = cutlass.Float32(0.0)
-                if p0 + j * THREADS < n_pairs:
-                    qv[j] = s_off[Int32(mIds[p0 + j * THREADS])] + mRank[p0 + j * THREADS]
-                    wv[j] = mW[p0 + j * THREADS]
-            for j in cutlass.range_constexpr(BATCH):
-                if p0 + j * THREADS < n_pairs:
-                    mTok[qv[j]] = (p0 + j * THREADS) // self.top_k
-                    mWOut[qv[j]] = wv[j]
+        for p in cutlass.range(tidx, n_pairs, THREADS, unroll=1):
+            e = Int32(mIds[p])
+            q = s_off[e] + mRank[p]
+            mTok[q] = p // self.top_k
+            mWOut[q] = mW[p]

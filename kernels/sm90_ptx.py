@@ -206,14 +206,6 @@ def st_global_v4_zero(addr: Int64, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def st_global_v4_b32(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
-    """Store 16 bytes (four 32-bit words) at a 16-aligned global address."""
-    llvm.inline_asm(
-        None, [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
-        "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", has_side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def st_global_f32(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
     llvm.inline_asm(
         None, [Int64(addr).ir_value(loc=loc, ip=ip), Float32(v).ir_value(loc=loc, ip=ip)],

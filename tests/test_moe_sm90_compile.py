@@ -175,9 +175,3 @@ def test_register_e2m1_decode_is_exact_for_every_code_in_every_slot():
             got = (half << 16).to(torch.int32).view(torch.float32).double() * 2.0 ** 126
             want = decode_e2m1(((words >> (4 * nibble)) & 0xF).to(torch.uint8)).double()
             assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
-
-
-def test_staged_copy_compiles_sm90a():
-    from nvfp4_megamoe.kernels.sm90_staged_x import Sm90StagedCopy
-    x = torch.zeros(3, 256, dtype=torch.bfloat16)
-    assert compile_op(Sm90StagedCopy(), [x, torch.zeros_like(x)]) is not None
