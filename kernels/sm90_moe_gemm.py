@@ -59,6 +59,12 @@ _BC_X_SCALE_BF16X2 = 0x5F805F80
 _STAGED_KTILE_BYTES = 288
 
 
+def lane_words(lo: Int32, hi: Int32) -> tuple[Int32, Int32]:
+    """Two logical-order activation words, (k, k + 1) and (k + 4, k + 5), as the "lane" K order holds them
+    (``k_order``): (k, k + 4) and (k + 1, k + 5), one MMA step's B registers."""
+    return ptx.prmt(lo, hi, 0x5410), ptx.prmt(lo, hi, 0x7632)
+
+
 class Sm90Nvfp4GroupedGemm:
     """One compiled configuration: static M, K, mode, token tile and CTA shape.
 
@@ -431,7 +437,7 @@ class Sm90Nvfp4GroupedGemm:
         src = mX.iterator.toint() + Int64(token) * (self.k * 2)
         for i in cutlass.range(tidx, self.k // 8, self.threads, unroll=1):
             v = ptx.ld_global_v4_keep(src + Int64(i) * 16)
-            words = [ptx.prmt(v[j // 2], v[j // 2 + 2], 0x7632 if j % 2 else 0x5410) for j in range(4)]
+            words = [*lane_words(v[0], v[2]), *lane_words(v[1], v[3])]
             if const_expr(self.block_columns):
                 words = [ptx.mul_bf16x2(wd, Int32(_BC_X_SCALE_BF16X2)) for wd in words]
             ptx.st_shared_v4_b32(x_s + (i + i // 8) * 16, *words)
@@ -515,8 +521,7 @@ class Sm90Nvfp4GroupedGemm:
         if self.read_order == "lane":
             b0, b1 = xw[nb, 4 * w + 2 * u], xw[nb, 4 * w + 2 * u + 1]
         else:
-            x_lo, x_hi = xw[nb, 4 * w + u], xw[nb, 4 * w + u + 2]
-            b0, b1 = ptx.prmt(x_lo, x_hi, 0x5410), ptx.prmt(x_lo, x_hi, 0x7632)
+            b0, b1 = lane_words(xw[nb, 4 * w + u], xw[nb, 4 * w + u + 2])
         return b0, b1
 
     @cute.jit
