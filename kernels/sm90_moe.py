@@ -54,10 +54,13 @@ INTERLEAVE_MAX_TOKENS = 4
 # (``k_warps``), with 2 k-tiles in flight each. Measured on an H200 (docs/benchmarks.md): V4-Flash T = 1 35.7 ->
 # 34.0 us (33.6 with L2 so too, but its registers then spill). With two row tiles the registers do not fit three
 # 8-warp CTAs per SM (V4-Flash T = 2 58.6 -> 85.2 us).
-# Direct calls with two row tiles launch L2 early (PDL: its CTAs start their first weight loads as L1's CTAs leave,
-# then wait for L1). Measured on an H200 (docs/benchmarks.md), T = 1 / 2 / 4: V4-Pro 83.9 / 153.2 / 246.8 ->
-# 80.0 / 152.1 / 246.5 us, V4-Flash T = 2 / 4 58.1 / 104.9 -> 57.8 / 104.2; V4-Flash T = 1 (one row tile) slower,
-# 33.5 -> 34.5.
+# Direct calls launch L2 early (PDL: its CTAs start their first weight loads as L1's CTAs leave, then wait for L1).
+# Measured on an H200 (docs/benchmarks.md), with two row tiles, T = 1 / 2 / 4: V4-Pro 83.9 / 153.2 / 246.8 ->
+# 80.0 / 152.1 / 246.5 us, V4-Flash T = 2 / 4 58.1 / 104.9 -> 57.8 / 104.2. With one row tile (V4-Flash T = 1) the
+# early L2 CTAs, 4 per SM by their registers, piled onto the SMs that L1 left first: 34.1 -> 34.7 us; capped at
+# L1's 3 per SM (``max_ctas``), so that they replace L1's CTAs one for one, 34.1 -> 33.3 and 34.1 -> 33.7 us in two
+# runs, every one of 10 interleaved rounds faster.
+DIRECT_ONE_ROW_TILE_CTAS = 3
 
 
 class MoeConfig(NamedTuple):
@@ -157,9 +160,12 @@ class Sm90NvFp4MoE:
         :func:`pick_row_tiles`, which explicit ``tuning`` keys override; ``direct``: the GEMMs walk the
         routed pairs themselves and the routing kernel is not launched; ``interleave``: the decode GEMMs'
         ``interleave_rows``; ``block_columns``: the direct GEMMs' ``block_columns``, both or neither; ``k_warps``: the
-        decode L1's ``k_warps``, with 2 k-tiles in flight per warp). Direct calls with two row tiles launch L2 early
-        (``pdl``)."""
-        shape = {"row_tiles": 2, "depth": 2, **({"pdl": True} if direct else {})} if row_tiles == 2 else {}
+        decode L1's ``k_warps``, with 2 k-tiles in flight per warp). Direct calls launch L2 early (``pdl``), with one
+        row tile both GEMMs capped at ``DIRECT_ONE_ROW_TILE_CTAS`` CTAs per SM."""
+        if row_tiles == 2:
+            shape = {"row_tiles": 2, "depth": 2, **({"pdl": True} if direct else {})}
+        else:
+            shape = {"pdl": True, "max_ctas": DIRECT_ONE_ROW_TILE_CTAS} if direct else {}
         tuning = dict(getattr(self, "tuning", {}))
         for key in ("wgmma", "wgmma_min_mean", "direct", "direct_max_tokens", "interleave_max_tokens",
                     "block_columns", "k_warps"):  # what ``config`` decides, passed in as arguments

@@ -57,6 +57,10 @@ _BC_X_SCALE_BF16X2 = 0x5F805F80
 # stage_x: the staged row's 16-byte chunk i sits at byte 16 * (i + i // 8) (16 padding bytes after every 128), so
 # that the 4 lane quads' 16-byte reads of one k-tile fall on distinct banks; a k-tile (16 chunks) spans 288 bytes
 _STAGED_KTILE_BYTES = 288
+# shared memory of an SM (sm_90) and what each resident CTA costs besides its own: ``max_ctas`` pads a CTA's
+# allocation so that one more than the cap does not fit
+SM_SMEM_BYTES = 228 * 1024
+CTA_SMEM_RESERVED = 1024
 
 
 def lane_words(lo: Int32, hi: Int32) -> tuple[Int32, Int32]:
@@ -110,6 +114,9 @@ class Sm90Nvfp4GroupedGemm:
             adds each warp's partial sums to ``out`` itself; ``"swiglu"`` first sums them in shared memory.
         min_ctas: CTAs per SM the launch asks registers for (0: none; default 3 with ``stage_x`` or ``k_warps`` 2,
             see ``occupancy``).
+        max_ctas: CTAs per SM at most (0: no cap), by padding the CTA's shared memory (and asking for the largest
+            shared-memory carveout): so that a grid launched early (``pdl``) spreads over the SMs as its
+            predecessor's CTAs leave instead of filling the first SMs that free up.
         stage_x: ``"swiglu"`` with ``direct_top_k`` only: the CTA first copies its token's ``x`` row (logical order)
             into shared memory in the ``"lane"`` K order (and, with ``block_columns``, scaled by ``2**BC_X_LOG2``),
             so the k-tile loop reads activation words ready for the MMA: no ``prmt`` and no scaling per k-tile
@@ -121,7 +128,8 @@ class Sm90Nvfp4GroupedGemm:
                  split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
                  pdl_prefetch: bool = False, direct_top_k: int = 0, b_order: str = "logical",
                  h_order: str = "logical", interleave_rows: bool = False, block_columns: bool = False,
-                 weight_tiles: bool = False, stage_x: bool = False, k_warps: int = 1, min_ctas: int | None = None):
+                 weight_tiles: bool = False, stage_x: bool = False, k_warps: int = 1, min_ctas: int | None = None,
+                 max_ctas: int = 0):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
@@ -166,6 +174,9 @@ class Sm90Nvfp4GroupedGemm:
             raise ValueError("block_columns needs one-token tiles: direct_top_k > 0, tile_tokens 8, split_k 1")
         self.stage_x = stage_x and mode == "swiglu" and self.direct_top_k > 0 and b_order == "logical"
         self.min_ctas = (3 if self.stage_x or self.k_warps > 1 else 0) if min_ctas is None else min_ctas
+        if max_ctas < 0:
+            raise ValueError(f"max_ctas must be >= 0, got {max_ctas}")
+        self.max_ctas = max_ctas
         # the K order of the activation words the MMAs take (staged x is in the "lane" order)
         self.read_order = "lane" if self.stage_x else b_order
         # the decoded weights are v * 2**-126 unscaled in this mode; x * 2**BC_X_LOG2 keeps the products normal
@@ -183,7 +194,7 @@ class Sm90Nvfp4GroupedGemm:
                 self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
                 self.early_dependents,
                 self.direct_top_k, self.b_order, self.h_order, self.interleave_rows, self.block_columns,
-                self.weight_tiles, self.stage_x, self.k_warps, self.min_ctas)
+                self.weight_tiles, self.stage_x, self.k_warps, self.min_ctas, self.max_ctas)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -392,7 +403,10 @@ class Sm90Nvfp4GroupedGemm:
         with 256, as ``k_warps`` 2 has). Left alone, ptxas (CUDA 13) gives the staged V4-Flash L1 with
         ``block_columns`` 80 registers and spills in its k-tile loop; with the bound it takes 128 and spills none
         (``tests/kernel_resources_probe.py`` checks every config)."""
-        return {"min_blocks_per_mp": self.min_ctas, "preferred_smem_carveout": -1} if self.min_ctas else {}
+        opts = {"min_blocks_per_mp": self.min_ctas, "preferred_smem_carveout": -1} if self.min_ctas else {}
+        if self.max_ctas:
+            opts["preferred_smem_carveout"] = 100
+        return opts
 
     @property
     def staged_bytes(self) -> int:
@@ -406,7 +420,10 @@ class Sm90Nvfp4GroupedGemm:
 
     @property
     def smem_bytes(self) -> int:
-        return self.staged_bytes + self.reduce_bytes
+        used = self.staged_bytes + self.reduce_bytes
+        if self.max_ctas:  # max_ctas + 1 CTAs of this size (and their reserved bytes) exceed the SM's shared memory
+            used = max(used, SM_SMEM_BYTES // (self.max_ctas + 1) - CTA_SMEM_RESERVED + 128)
+        return used
 
     @property
     def kt_bytes(self) -> int:

@@ -99,6 +99,21 @@ def test_wgmma_heuristics_and_bad_config():
         Sm90Nvfp4GroupedGemm(m=128, k=128, mode="scatter", b_order="staged")
 
 
+@pytest.mark.parametrize("cap", [1, 2, 3, 6])
+def test_max_ctas_pads_shared_memory_so_one_more_cta_does_not_fit(cap):
+    from nvfp4_megamoe.kernels.sm90_moe_gemm import CTA_SMEM_RESERVED, SM_SMEM_BYTES
+    # the staged V4-Flash L1 of T = 1 (x row and k_warps sums in shared memory) and an L2 without shared memory
+    for op in (Sm90Nvfp4GroupedGemm(m=4096, k=4096, mode="swiglu", direct_top_k=6, stage_x=True, k_warps=2,
+                                    max_ctas=cap),
+               Sm90Nvfp4GroupedGemm(m=4096, k=2048, mode="scatter", direct_top_k=6, max_ctas=cap)):
+        per_cta = op.smem_bytes + CTA_SMEM_RESERVED
+        assert cap * per_cta <= SM_SMEM_BYTES < (cap + 1) * per_cta
+        assert op.smem_bytes >= op.staged_bytes + op.reduce_bytes and op.occupancy["preferred_smem_carveout"] == 100
+    assert Sm90Nvfp4GroupedGemm(m=4096, k=2048, mode="scatter").smem_bytes == 0
+    with pytest.raises(ValueError, match="max_ctas"):
+        Sm90Nvfp4GroupedGemm(m=4096, k=2048, mode="scatter", max_ctas=-1)
+
+
 def test_gemm_rejects_bad_config():
     with pytest.raises(ValueError, match="mode"):
         Sm90Nvfp4GroupedGemm(m=128, k=128, mode="nope")
@@ -129,7 +144,8 @@ def test_warmup_compiles_every_configuration_a_call_can_pick():
         routing, l1, l2 = layer.kernels(*cfg)
         assert cfg.wgmma or (l1.interleave_rows is cfg.interleave and l2.block_columns is cfg.block_columns
                              and l1.k_warps == cfg.k_warps and l2.k_warps == 1 and l1.stage_x is cfg.direct
-                             and l2.pdl is (cfg.direct and cfg.row_tiles == 2))
+                             and l2.pdl is cfg.direct and l1.early_dependents is cfg.direct
+                             and l1.max_ctas == l2.max_ctas == (3 if cfg.direct and cfg.row_tiles == 1 else 0))
         for op in (l1, l2) if cfg.direct else (routing, l1, l2):
             assert any(key[1] == op.key() for key in cute_host._COMPILED), (cfg, type(op).__name__)
 

@@ -111,8 +111,9 @@ TUNED = [
     ("flash", 1, "uniform", {"l2": {"k_warps": 2, "depth": 2}}),
     ("small", 3, "skewed", {"k_warps": 2, "l2": {"k_warps": 2}}),
     ("flash", 16, "skewed", {"k_warps": 2, "min_ctas": 2, "l2": {"k_warps": 2}}),
-    # direct calls with L2 launched early (PDL), waiting for L1 after its first weight loads
-    ("flash", 1, "uniform", {"pdl": True}),
+    # direct calls with L2 launched after L1 (default: early, PDL, waiting for L1 after its first weight loads; with
+    # one row tile capped at 3 CTAs per SM), and early with the L2 prefetch
+    ("flash", 1, "uniform", {"pdl": False, "max_ctas": 0}),
     ("pro", 4, "skewed", {"pdl": True, "pdl_prefetch": True}),
 ]
 
