@@ -100,17 +100,31 @@ def use_wgmma(tokens: int, top_k: int, experts: int, min_mean: float = WGMMA_MIN
     return tokens * top_k / max(experts, 1) >= min_mean
 
 
-def wgmma_shape(tile_tokens: int) -> dict:
-    """CTA shape of the WGMMA kernels for a token tile: one warpgroup (64 weight rows) up to N = 96, where the
-    smaller CTAs let two (three up to N = 48, registers capped at 168) share an SM; two warpgroups above, where
-    the accumulators fill the registers and one 128-row CTA reuses each staged activation tile twice as much.
-    (Uncapped, N = 32 took 184 registers and fit two CTAs per SM: V4-Pro T = 1024 5.33 ms capped, 6.53 ms not,
-    on an H200.) From N = 64 on, weights are also prefetched into the L2 8 k-tiles ahead of the register
-    pipeline: on an H200 V4-Flash T = 2048 / 4096 took 4-6 % less time, V4-Pro T = 4096 (N = 80) the same,
-    while at N = 48 (V4-Pro T = 2048) it cost 14-18 %."""
+# layers at least this wide (H) run two warpgroups per WGMMA CTA from N = 64 tokens per tile (``wgmma_shape``)
+WGMMA_WIDE_HIDDEN = 7168
+
+
+def wgmma_shape(tile_tokens: int, hidden: int) -> dict:
+    """CTA shape of the WGMMA kernels of a layer of width ``hidden`` for a token tile: one warpgroup (64 weight rows)
+    up to N = 96, where the smaller CTAs let two (three up to N = 48, registers capped at 168) share an SM; two
+    warpgroups above, where the accumulators fill the registers and one 128-row CTA reuses each staged activation
+    tile twice as much. (Uncapped, N = 32 took 184 registers and fit two CTAs per SM: V4-Pro T = 1024 5.33 ms capped,
+    6.53 ms not, on an H200.) From N = 64 on, weights are also prefetched into the L2 8 k-tiles ahead of the register
+    pipeline: on an H200 V4-Flash T = 2048 / 4096 took 4-6 % less time, V4-Pro T = 4096 (N = 80) the same, while at
+    N = 48 (V4-Pro T = 2048) it cost 14-18 %.
+
+    Layers of ``WGMMA_WIDE_HIDDEN`` and wider take two warpgroups from N = 64. These layers run at the H200's power
+    cap (V4-Pro T = 4096: SM clock 1.52 GHz against 1.98 idle), where halving the activation tiles staged from the L2
+    per weight row pays although it costs cycles at a free clock. Measured on an H200 in sustained replays (6
+    interleaved rounds each, docs/benchmarks.md), V4-Pro: T = 3000 (N = 64) 8461 -> 8282 us, T = 3500 / 4096 (N = 80)
+    9404 -> 8891 and 9863 -> 9353 (and 3 more runs of T = 4096, 5-6 % each), T = 4500 (N = 96) 10699 -> 9942; but
+    T = 2048 (N = 48) 7012 -> 7716. V4-Flash was slower so at N = 64 / 80 / 96 (T = 2048 / 2500 / 3072: 2041 -> 2369,
+    2375 -> 2485 (L1 alone), 2713 -> 2834 us)."""
     if tile_tokens <= 48:
         return {"warpgroups": 1, "min_ctas": 3}
-    return {"warpgroups": 1, "min_ctas": 2, "l2_ahead": 8} if tile_tokens <= 96 else {"l2_ahead": 8}
+    if tile_tokens <= 96 and not (hidden >= WGMMA_WIDE_HIDDEN and tile_tokens >= 64):
+        return {"warpgroups": 1, "min_ctas": 2, "l2_ahead": 8}
+    return {"l2_ahead": 8}
 
 
 def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
@@ -177,7 +191,7 @@ class Sm90NvFp4MoE:
         if direct:
             tuning.update(direct_top_k=self.k, block_columns=block_columns)
         tuning = {"interleave_rows": interleave, "weight_tiles": self.weight_tiles, "stage_x": direct, **tuning}
-        wg_extra = {**wgmma_shape(tile_tokens), "weight_tiles": self.weight_tiles, **tuning.pop("wg", {})}
+        wg_extra = {**wgmma_shape(tile_tokens, self.h), "weight_tiles": self.weight_tiles, **tuning.pop("wg", {})}
         if wgmma:
             return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
                     Sm90Nvfp4WgmmaGemm(m=2 * self.i, k=self.h, mode="swiglu", tile_tokens=tile_tokens,

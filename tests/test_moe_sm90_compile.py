@@ -76,8 +76,15 @@ def test_wgmma_heuristics_and_bad_config():
     # two row tiles once L1 has two 128-row CTAs per SM: not V4-Flash at T = 1 (6 x 32 CTAs), V4-Pro at T = 1
     assert pick_row_tiles(1, 6, 256, 4096, 132) == 1 and pick_row_tiles(4, 6, 256, 4096, 132) == 2
     assert pick_row_tiles(1, 6, 384, 6144, 132) == 2
-    assert wgmma_shape(32) == {"warpgroups": 1, "min_ctas": 3} and wgmma_shape(128) == {"l2_ahead": 8}
-    assert wgmma_shape(80) == {"warpgroups": 1, "min_ctas": 2, "l2_ahead": 8}
+    for hidden in (4096, 7168):
+        assert wgmma_shape(32, hidden) == {"warpgroups": 1, "min_ctas": 3} == wgmma_shape(48, hidden)
+        assert wgmma_shape(128, hidden) == {"l2_ahead": 8}
+    # one warpgroup up to N = 96, except for layers as wide as V4-Pro's from N = 64 (two, as above 96)
+    assert wgmma_shape(64, 4096) == {"warpgroups": 1, "min_ctas": 2, "l2_ahead": 8} == wgmma_shape(96, 4096)
+    assert wgmma_shape(64, 7168) == {"l2_ahead": 8} == wgmma_shape(96, 7168)
+    pro = Sm90NvFp4MoE.kernels(_Layer(7168, 3072, 384, 6, 10.0), 80, True)
+    flash = Sm90NvFp4MoE.kernels(_Layer(4096, 2048, 256, 6, 10.0), 80, True)
+    assert pro[1].wgs == pro[2].wgs == 2 and flash[1].wgs == flash[2].wgs == 1
     # a shape whose rows do not fill 128-row CTAs keeps one row tile at any T
     odd = Sm90NvFp4MoE(hidden=192, intermediate=96, experts=8, top_k=2, swiglu_limit=None, max_tokens=64, device="cpu")
     assert {odd.config(t)[2] for t in range(1, 65)} == {1}

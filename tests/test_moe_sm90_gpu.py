@@ -23,7 +23,8 @@ CASES = [
     ("small", 1001, "uniform"),
     ("flash", 1, "uniform"), ("flash", 5, "uniform"), ("flash", 64, "skewed"), ("flash", 333, "uniform"),
     ("flash", 8192, "skewed"),
-    ("pro", 1, "uniform"), ("pro", 2, "skewed"), ("pro", 7, "skewed"), ("pro", 256, "uniform"), ("pro", 4095, "uniform"),
+    ("pro", 1, "uniform"), ("pro", 2, "skewed"), ("pro", 7, "skewed"), ("pro", 256, "uniform"), ("pro", 3000, "skewed"),
+    ("pro", 4095, "uniform"),
 ]
 _WEIGHTS: dict[str, dict] = {}
 _LAYERS: dict[str, object] = {}
