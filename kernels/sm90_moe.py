@@ -58,8 +58,8 @@ INTERLEAVE_MAX_TOKENS = 4
 # Measured on an H200 (docs/benchmarks.md), with two row tiles, T = 1 / 2 / 4: V4-Pro 83.9 / 153.2 / 246.8 ->
 # 80.0 / 152.1 / 246.5 us, V4-Flash T = 2 / 4 58.1 / 104.9 -> 57.8 / 104.2. With one row tile (V4-Flash T = 1) the
 # early L2 CTAs, 4 per SM by their registers, piled onto the SMs that L1 left first: 34.1 -> 34.7 us; capped at
-# L1's 3 per SM (``max_ctas``), so that they replace L1's CTAs one for one, 34.1 -> 33.3 and 34.1 -> 33.7 us in two
-# runs, every one of 10 interleaved rounds faster.
+# L1's 3 per SM (``max_ctas``), so that they replace L1's CTAs one for one, 33.5-34.1 -> 33.1-33.7 us in four A/B
+# runs (``bench/moe_ab.py``), every one of their 18 interleaved rounds faster.
 DIRECT_ONE_ROW_TILE_CTAS = 3
 
 
@@ -117,7 +117,7 @@ def wgmma_shape(tile_tokens: int, hidden: int) -> dict:
     cap (V4-Pro T = 4096: SM clock 1.52 GHz against 1.98 idle), where halving the activation tiles staged from the L2
     per weight row pays although it costs cycles at a free clock. Measured on an H200 in sustained replays (6
     interleaved rounds each, docs/benchmarks.md), V4-Pro: T = 3000 (N = 64) 8461 -> 8282 us, T = 3500 / 4096 (N = 80)
-    9404 -> 8891 and 9863 -> 9353 (and 3 more runs of T = 4096, 5-6 % each), T = 4500 (N = 96) 10699 -> 9942; but
+    9404 -> 8891 and 9863 -> 9353 (and five more runs of T = 4096, 5-6.4 % each), T = 4500 (N = 96) 10699 -> 9942; but
     T = 2048 (N = 48) 7012 -> 7716. V4-Flash was slower so at N = 64 / 80 / 96 (T = 2048 / 2500 / 3072: 2041 -> 2369,
     2375 -> 2485 (L1 alone), 2713 -> 2834 us)."""
     if tile_tokens <= 48:
