@@ -114,8 +114,9 @@ def wgmma_shape(tile_tokens: int, hidden: int) -> dict:
     N = 48 (V4-Pro T = 2048) it cost 14-18 %.
 
     Layers of ``WGMMA_WIDE_HIDDEN`` and wider take two warpgroups from N = 64. These layers run at the H200's power
-    cap (V4-Pro T = 4096: SM clock 1.52 GHz against 1.98 idle), where halving the activation tiles staged from the L2
-    per weight row pays although it costs cycles at a free clock. Measured on an H200 in sustained replays (6
+    cap, where two warpgroups (half the activation tiles staged from the L2 per weight row) take about 6 % more
+    cycles but run at a higher clock: V4-Pro T = 4096 at ~690 W, 1.71 GHz against 1.52 (``bench/moe_power.py``).
+    Measured on an H200 in sustained replays (6
     interleaved rounds each, docs/benchmarks.md), V4-Pro: T = 3000 (N = 64) 8461 -> 8282 us, T = 3500 / 4096 (N = 80)
     9404 -> 8891 and 9863 -> 9353 (and five more runs of T = 4096, 5-6.4 % each), T = 4500 (N = 96) 10699 -> 9942; but
     T = 2048 (N = 48) 7012 -> 7716. V4-Flash was slower so at N = 64 / 80 / 96 (T = 2048 / 2500 / 3072: 2041 -> 2369,
