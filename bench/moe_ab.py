@@ -23,13 +23,28 @@ from pathlib import Path
 import torch
 
 from gpu_timing import ColdTimer, capture, measure_copy
-from moe_bench import LIMIT, MODELS
+from moe_bench import LIMIT, MODELS, routed_inputs
 
 from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
 from nvfp4_megamoe.kernels.row_tiles import tile_expert_weights
 from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
 
 REPS = 20  # cold replays per variant and round
+
+
+def capture_variants(variants: dict, model: str, w: dict, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
+                     max_tokens: int) -> tuple[dict, dict, dict]:
+    """Per variant (name -> ``Sm90NvFp4MoE`` tuning) of ``model`` on row-tiled weights ``w``: its layer, the CUDA graph
+    of one call on (``x``, ``ids``, ``wts``), and that call's output (NaN until the graph runs). The caller keeps the
+    layers referenced while the graphs replay: the graphs use their workspaces."""
+    h, i, e, k = MODELS[model]
+    layers, graphs, outs = {}, {}, {}
+    for name, tuning in variants.items():
+        layer = layers[name] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT,
+                                            max_tokens=max_tokens, tuning=tuning, weight_tiles=True)
+        out = outs[name] = torch.full((x.shape[0], h), float("nan"), device="cuda")
+        graphs[name] = capture(lambda layer=layer, out=out: layer(x, ids, wts, **w, out=out))
+    return layers, graphs, outs
 
 
 def timeline(graph: torch.cuda.CUDAGraph, timer: ColdTimer, replays: int) -> tuple[list[str], list[float]]:
@@ -72,17 +87,9 @@ def main() -> None:
         w = tile_expert_weights(random_moe_weights(e, h, i, generator=gen, device="cuda", distinct_halves=False))
         per_expert = sum(w[n][0].numel() for n in ("w13", "w13_scale", "w2", "w2_scale"))
         for t in tokens:
-            x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
-            ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
-            wts = torch.rand(t, k, device="cuda", generator=gen)
+            x, ids, wts = routed_inputs(t, h, e, k, gen)
             floor = int(torch.unique(ids).numel()) * per_expert / copy * 1e6  # the bytes floor only
-            # the layers stay referenced while their graphs replay: the graphs use their workspaces
-            layers, graphs, outs = {}, {}, {}
-            for name, tuning in variants.items():
-                layer = layers[name] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT,
-                                                    max_tokens=max(tokens), tuning=tuning, weight_tiles=True)
-                out = outs[name] = torch.full((t, h), float("nan"), device="cuda")
-                graphs[name] = capture(lambda layer=layer, out=out: layer(x, ids, wts, **w, out=out))
+            layers, graphs, outs = capture_variants(variants, model, w, x, ids, wts, max(tokens))  # noqa: F841 (kept)
             first = next(iter(outs.values()))
             times: dict[str, list[float]] = {name: [] for name in variants}
             for _ in range(rounds):

@@ -36,6 +36,13 @@ ANCHORS = ("humming", "quack", "torch_bf16")
 LIMIT = 10.0
 
 
+def routed_inputs(t: int, h: int, e: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``x`` bf16 [T, H], uniform random top-k ``ids`` (distinct experts per token) and routing weights [T, k]."""
+    x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
+    return x, ids, torch.rand(t, k, device="cuda", generator=gen)
+
+
 def measure_ceilings() -> dict:
     return {"copy_bytes_per_s": measure_copy(), "bf16_flops_per_s": measure_bf16_matmul()}
 
@@ -236,9 +243,7 @@ def main() -> None:
                                for j in range(e)])
         rows = []
         for t in tokens:
-            x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
-            ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
-            wts = torch.rand(t, k, device="cuda", generator=gen)
+            x, ids, wts = routed_inputs(t, h, e, k, gen)
             touched = int(torch.unique(ids).numel())
             floor_bytes = touched * per_expert / ceil["copy_bytes_per_s"]
             floor_flops = 2 * t * k * (h * 2 * i + i * h) / ceil["bf16_flops_per_s"]

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from moe_bench import LIMIT, MODELS
+from moe_bench import LIMIT, MODELS, routed_inputs
 
 from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
 from nvfp4_megamoe.kernels.row_tiles import tile_expert_weights
@@ -28,9 +28,7 @@ def main() -> None:
         w = tile_expert_weights(w)
     layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=t,
                          tuning=tuning, weight_tiles=tiles)
-    x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
-    ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
-    wts = torch.rand(t, k, device="cuda", generator=gen)
+    x, ids, wts = routed_inputs(t, h, e, k, gen)
     for _ in range(2):
         layer(x, ids, wts, **w)
     torch.cuda.synchronize()

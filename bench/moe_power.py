@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from gpu_timing import ColdTimer, capture
-from moe_bench import LIMIT, MODELS
+from gpu_timing import ColdTimer
+from moe_ab import capture_variants
+from moe_bench import MODELS, routed_inputs
 
 from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
 from nvfp4_megamoe.kernels.row_tiles import tile_expert_weights
-from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
 
 SECONDS = 2.5
 SAMPLE_MS = 20
@@ -37,16 +37,9 @@ def main() -> None:
     h, i, e, k = MODELS[model]
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = tile_expert_weights(random_moe_weights(e, h, i, generator=gen, device="cuda", distinct_halves=False))
-    x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
-    ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
-    wts = torch.rand(t, k, device="cuda", generator=gen)
+    x, ids, wts = routed_inputs(t, h, e, k, gen)
     timer = ColdTimer()
-    layers, graphs = {}, {}  # the layers stay referenced while their graphs replay: the graphs use their workspaces
-    for name, tuning in variants.items():
-        layer = layers[name] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT,
-                                            max_tokens=t, tuning=tuning, weight_tiles=True)
-        out = torch.empty(t, h, device="cuda")
-        graphs[name] = capture(lambda layer=layer, out=out: layer(x, ids, wts, **w, out=out))
+    layers, graphs, _ = capture_variants(variants, model, w, x, ids, wts, t)  # noqa: F841 (kept while graphs replay)
     for r in range(rounds):
         for name, graph in graphs.items():
             time.sleep(1.0)  # the same pause before every variant
