@@ -72,6 +72,7 @@ class MoeConfig(NamedTuple):
     interleave: bool
     block_columns: bool
     k_warps: int
+    min_tokens: int = 0
 
 
 def _smallest_tile(need: float, choices: tuple[int, ...]) -> int:
@@ -128,9 +129,24 @@ def wgmma_shape(tile_tokens: int, hidden: int) -> dict:
     return {"l2_ahead": 8}
 
 
-def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
-    """Token tile N of the WGMMA kernels: the smallest of 32, 48, .., 128 that holds 1.25x the mean pairs per expert."""
-    return _smallest_tile(1.25 * (tokens * top_k / max(experts, 1)), WGMMA_TILE_TOKENS)
+def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> tuple[int, int]:
+    """Token tile N of the WGMMA kernels and their narrowest MMA width (``min_tokens``; 0: every tile runs N).
+
+    Below N = 64 (CTAs of three per SM, whose registers hold one loop): the smallest of 32, 48 that holds 1.25x the mean
+    pairs per expert m. From there on each tile runs the narrowest width (steps of 16) that holds its tokens, so N can
+    hold nearly every expert: m + 3 sqrt(m) (an expert's count under uniform routing spreads by about sqrt(m)), up to
+    128; the narrowest width is m - 2 sqrt(m) rounded down, at least 32, or 32 where m + 3 sqrt(m) overflows 128 (the
+    last tiles of the experts that overflow take any count). Measured on an H200 in sustained replays (docs/benchmarks.md): V4-Pro T = 4096 (N 80 -> 96,
+    widths from 48) 10365 -> 9592 us, V4-Flash T = 4096 (N = 128, from 64) 3465 -> 3195 us."""
+    mean = tokens * top_k / max(experts, 1)
+    bn = _smallest_tile(1.25 * mean, WGMMA_TILE_TOKENS)
+    if bn < 64:
+        return bn, 0
+    spread = mean ** 0.5
+    bn = _smallest_tile(mean + 3 * spread, WGMMA_TILE_TOKENS)
+    if mean + 3 * spread > bn:
+        return bn, 32
+    return bn, min(bn, max(32, int(mean - 2 * spread) // 16 * 16))
 
 
 class Sm90NvFp4MoE:
@@ -169,7 +185,7 @@ class Sm90NvFp4MoE:
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
 
     def kernels(self, tile_tokens: int, wgmma: bool = False, row_tiles: int = 1, direct: bool = False,
-                interleave: bool = False, block_columns: bool = False, k_warps: int = 1
+                interleave: bool = False, block_columns: bool = False, k_warps: int = 1, min_tokens: int = 0
                 ) -> tuple[Sm90MoeRouting, Sm90Nvfp4GroupedGemm, Sm90Nvfp4GroupedGemm]:
         """The three kernel objects used for a token tile size (``wgmma``: the prefill GEMMs; ``row_tiles``:
         :func:`pick_row_tiles`, which explicit ``tuning`` keys override; ``direct``: the GEMMs walk the
@@ -182,7 +198,7 @@ class Sm90NvFp4MoE:
         else:
             shape = {"pdl": True, "max_ctas": DIRECT_ONE_ROW_TILE_CTAS} if direct else {}
         tuning = dict(getattr(self, "tuning", {}))
-        for key in ("wgmma", "wgmma_min_mean", "direct", "direct_max_tokens", "interleave_max_tokens",
+        for key in ("wgmma", "wgmma_min_mean", "wgmma_tile_tokens", "direct", "direct_max_tokens", "interleave_max_tokens",
                     "block_columns", "k_warps"):  # what ``config`` decides, passed in as arguments
             tuning.pop(key, None)
         tuning = {**shape, **tuning}
@@ -192,7 +208,8 @@ class Sm90NvFp4MoE:
         if direct:
             tuning.update(direct_top_k=self.k, block_columns=block_columns)
         tuning = {"interleave_rows": interleave, "weight_tiles": self.weight_tiles, "stage_x": direct, **tuning}
-        wg_extra = {**wgmma_shape(tile_tokens, self.h), "weight_tiles": self.weight_tiles, **tuning.pop("wg", {})}
+        wg_extra = {**wgmma_shape(tile_tokens, self.h), "weight_tiles": self.weight_tiles, "min_tokens": min_tokens,
+                    **tuning.pop("wg", {})}
         if wgmma:
             return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
                     Sm90Nvfp4WgmmaGemm(m=2 * self.i, k=self.h, mode="swiglu", tile_tokens=tile_tokens,
@@ -215,7 +232,13 @@ class Sm90NvFp4MoE:
         wg = tuning.get("wgmma")
         if wg is None:
             wg = use_wgmma(tokens, self.k, self.e, tuning.get("wgmma_min_mean", WGMMA_MIN_MEAN))
-        bn = pick_wgmma_tile_tokens(tokens, self.k, self.e) if wg else pick_tile_tokens(tokens, self.k, self.e)
+        min_tokens = 0
+        if wg:
+            bn, min_tokens = pick_wgmma_tile_tokens(tokens, self.k, self.e)
+            if "wgmma_tile_tokens" in tuning:  # e.g. {"wgmma_tile_tokens": 96, "wg": {"min_tokens": 48}}
+                bn, min_tokens = tuning["wgmma_tile_tokens"], 0
+        else:
+            bn = pick_tile_tokens(tokens, self.k, self.e)
         rt = 1
         if not wg and self.h % 128 == 0 and (2 * self.i) % 128 == 0:
             rt = pick_row_tiles(tokens, self.k, self.e, 2 * self.i, self.sms)
@@ -224,7 +247,7 @@ class Sm90NvFp4MoE:
         direct = tokens <= direct_max and not wg
         block_columns = bool(direct and tuning.get("block_columns", rt == 2))
         k_warps = 1 if wg else tuning.get("k_warps", 2 if direct and rt == 1 else 1)
-        return MoeConfig(bn, wg, rt, direct, interleave, block_columns, k_warps)
+        return MoeConfig(bn, wg, rt, direct, interleave, block_columns, k_warps, min_tokens)
 
     def warmup(self, ids_dtype: torch.dtype = torch.int32) -> int:
         """Compile every kernel configuration a call with 1 <= T <= ``max_tokens`` can pick (routing ids of

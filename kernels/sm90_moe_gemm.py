@@ -562,10 +562,11 @@ class Sm90Nvfp4GroupedGemm:
         # pairs read its last pair), so the loads issue back to back: loaded under each column's branch, each paid a
         # load latency in turn (Nsight Compute: the L2 GEMM of V4-Flash T = 4096 1.16 -> 1.06 ms, docs/benchmarks.md).
         # ``ids_first`` False (WGMMA CTAs capped at three per SM, which these registers do not fit): loaded per column
-        toks = cute.make_rmem_tensor((self.nb, 2), Int32)
-        wts = cute.make_rmem_tensor((self.nb, 2), Float32)
+        nbs = acc.shape[1]  # 8-column blocks (a WGMMA tile may run fewer than N's, ``min_tokens``)
+        toks = cute.make_rmem_tensor((nbs, 2), Int32)
+        wts = cute.make_rmem_tensor((nbs, 2), Float32)
         if const_expr(self.mode == "scatter" and self.ids_first):
-            for nb in cutlass.range_constexpr(self.nb):
+            for nb in cutlass.range_constexpr(nbs):
                 for tt in cutlass.range_constexpr(2):
                     t = nb * 8 + 2 * c + tt
                     if t > cnt - 1:
@@ -574,7 +575,7 @@ class Sm90Nvfp4GroupedGemm:
                     wts[nb, tt] = mRW[begin + t]
         for mt in cutlass.range_constexpr(self.row_tiles):
             r0 = row_base + mt * 16 + g
-            for nb in cutlass.range_constexpr(self.nb):
+            for nb in cutlass.range_constexpr(nbs):
                 for tt in cutlass.range_constexpr(2):
                     t = nb * 8 + 2 * c + tt
                     if t < cnt:

@@ -10,6 +10,10 @@ Same operands, work tiles, epilogues and call signature as :class:`Sm90Nvfp4Grou
 * B = ``tile_tokens`` (N) activation rows staged in shared memory, K-major, 128-byte swizzle, in a
   ring of ``stages`` tiles of 128 K each, and read by the tensor cores through a matrix descriptor;
   a CTA is ``warpgroups`` x 64 weight rows, so each staged tile feeds 64 * warpgroups rows.
+* MMA width: with ``min_tokens`` the k-tile loop is compiled once per width from ``min_tokens`` to N in steps
+  of ``width_step``, and a tile runs the narrowest that holds its tokens: with uniform routing an expert's
+  count spreads by about its square root around the mean, N must hold the largest (V4-Pro T = 4096: counts
+  42..92, mean 64), and columns past a tile's tokens cost MMA time and energy for nothing.
 * K order: the weights keep their per-thread K permutation (a lane quad owns a contiguous 32-K run,
   see ``sm90_moe_gemm``); the activation rows arrive already in the matching order (``"staged"``,
   ``k_order``: the host permutes ``x`` for L1, the L1 epilogue writes ``h`` so for L2), so a staged
@@ -35,6 +39,7 @@ from . import sm90_ptx as ptx
 from .sm90_moe_gemm import K_TILE, Sm90Nvfp4GroupedGemm
 
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
+WIDTH_STEP = 16  # step between the MMA widths of one kernel (``min_tokens``)
 
 
 class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
@@ -51,12 +56,15 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         l2_ahead: k-tiles ahead of the register pipeline that each warp's weight rows are prefetched into
             the L2 (``prefetch.global.L2``; 0: none).
         weight_tiles: ``w`` is in Hopper row tiles (``row_tiles``), not row-major.
+        min_tokens: the narrowest MMA width (0: N): tiles run the narrowest of ``min_tokens``,
+            ``min_tokens + width_step``, .., N that holds their tokens.
+        width_step: step between those widths (a multiple of 8).
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 128, swiglu_limit: float | None = None,
                  warpgroups: int = 2, depth: int = 4, l2_prefetch: int = 0, stages: int = 4,
                  h_order: str = "staged", min_ctas: int = 1, l2_ahead: int = 0, weight_tiles: bool = False,
-                 **_ignored):
+                 min_tokens: int = 0, width_step: int = WIDTH_STEP, **_ignored):
         if mode not in ("swiglu", "scatter"):
             raise ValueError(f"the wgmma GEMM has modes swiglu/scatter, got {mode!r}")
         if tile_tokens % 16 or not 16 <= tile_tokens <= 256:
@@ -64,6 +72,12 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         self.m, self.k, self.mode = m, k, mode
         self.bn = tile_tokens
         self.nb = tile_tokens // 8
+        self.min_tokens = min_tokens or tile_tokens
+        self.width_step = width_step
+        if (self.min_tokens % 8 or not 8 <= self.min_tokens <= tile_tokens or width_step % 8 or width_step <= 0
+                or (tile_tokens - self.min_tokens) % width_step):
+            raise ValueError(f"min_tokens must be a multiple of 8 in [8, tile_tokens={tile_tokens}] and differ from it "
+                             f"by a multiple of width_step={width_step} (a multiple of 8), got {min_tokens}")
         self.wgs = warpgroups
         self.warps = 4 * warpgroups
         self.threads = 128 * warpgroups
@@ -112,7 +126,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
 
     def key(self) -> tuple:
         return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth, self.l2_prefetch,
-                self.stages, self.h_order, self.min_ctas, self.l2_ahead, self.weight_tiles)
+                self.stages, self.h_order, self.min_ctas, self.l2_ahead, self.weight_tiles, self.min_tokens, self.width_step)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -188,8 +202,6 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         n_kt = self.n_kt
         wbuf = cute.make_rmem_tensor((D, 1, 2, 4), Int32)
         sbufr = cute.make_rmem_tensor((D, 1, 2), Int32)
-        acc = cute.make_rmem_tensor((self.bn // 2,), Float32)
-        acc.fill(0.0)
         for d in cutlass.range_constexpr(D):
             self.load_a(wbuf, sbufr, a_addr, s_addr, d, d)
         S = self.stages
@@ -197,7 +209,28 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
             if st < n_kt:
                 self.stage_b(x_addr, x_bytes, s_smem + st * self.stage_bytes, st_off, st)
             cute.arch.cp_async_commit_group()
+        if const_expr(self.min_tokens == self.bn):
+            self.k_loop(mAlpha, mTok, mRW, mOut, wbuf, sbufr, a_addr, s_addr, x_addr, x_bytes, s_smem, st_off,
+                        expert, begin, cnt, row_base, g, c, self.bn)
+        else:
+            # one specialised loop per MMA width (compile-time N): the smallest that holds the tile's tokens
+            for n in cutlass.range_constexpr(self.min_tokens, self.bn + 1, self.width_step):
+                lo = 0 if n == self.min_tokens else n - self.width_step
+                if cnt > lo and cnt <= n:
+                    self.k_loop(mAlpha, mTok, mRW, mOut, wbuf, sbufr, a_addr, s_addr, x_addr, x_bytes, s_smem,
+                                st_off, expert, begin, cnt, row_base, g, c, n)
 
+    @cute.jit
+    def k_loop(self, mAlpha: cute.Tensor, mTok: cute.Tensor, mRW: cute.Tensor, mOut: cute.Tensor, wbuf: cute.Tensor,
+               sbufr: cute.Tensor, a_addr: cute.Tensor, s_addr: cute.Tensor, x_addr: cute.Tensor, x_bytes: cute.Tensor,
+               s_smem: Int32, st_off: Int32, expert: Int32, begin: Int32, cnt: Int32, row_base: Int32, g: Int32,
+               c: Int32, n: cutlass.Constexpr):
+        """The k-tile loop and epilogue of one tile, its MMAs ``n`` columns wide (>= the tile's tokens)."""
+        D = self.depth
+        n_kt = self.n_kt
+        S = self.stages
+        acc = cute.make_rmem_tensor((n // 2,), Float32)
+        acc.fill(0.0)
         for kto in cutlass.range(0, n_kt, D, unroll=1):
             for d in cutlass.range_constexpr(D):
                 kt = kto + d
@@ -235,18 +268,18 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                     for u in cutlass.range_constexpr(2):
                         s = 2 * w + u
                         desc = desc0 + Int64(((s // 4) * self.region + (s % 4) * 32) >> 4)
-                        vals = [acc[i] for i in range(self.bn // 2)]
+                        vals = [acc[i] for i in range(n // 2)]
                         vals = ptx.wgmma_bf16_rs(vals, a[0, 0, w, 2 * u], a[0, 1, w, 2 * u], a[0, 0, w, 2 * u + 1],
                                                  a[0, 1, w, 2 * u + 1], desc)
-                        for i in cutlass.range_constexpr(self.bn // 2):
+                        for i in cutlass.range_constexpr(n // 2):
                             acc[i] = vals[i]
                 warpgroup.commit_group()
                 warpgroup.wait_group(1)
 
         warpgroup.wait_group(0)
-        vals = ptx.fence_operands([acc[i] for i in range(self.bn // 2)])
-        acc4 = cute.make_rmem_tensor((1, self.nb, 4), Float32)
-        for nb in cutlass.range_constexpr(self.nb):
+        vals = ptx.fence_operands([acc[i] for i in range(n // 2)])
+        acc4 = cute.make_rmem_tensor((1, n // 8, 4), Float32)
+        for nb in cutlass.range_constexpr(n // 8):
             for i in cutlass.range_constexpr(4):
                 acc4[0, nb, i] = vals[4 * nb + i]
         self.epilogue(acc4, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)

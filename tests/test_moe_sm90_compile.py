@@ -50,7 +50,9 @@ PDL = {"pdl": True, "pdl_prefetch": True, "l2_prefetch": 256}
     # weights in Hopper row tiles (converter --target sm90); routed tiles with two warps per row group
     ("flash", 8, False, PDL, True), ("pro", 16, False, {"row_tiles": 2, "depth": 2}, True),
     ("flash", 8, False, {"min_ctas": 2, "l1": {"k_warps": 2}, "l2": {"k_warps": 2}}, True),
-    ("flash", 128, True, None, True)])
+    ("flash", 128, True, None, True),
+    # one k-tile loop per MMA width (``min_tokens``), in steps of 16 and of 8
+    ("pro", 96, True, {"wg": {"min_tokens": 48}}, True), ("flash", 128, True, {"wg": {"min_tokens": 64, "width_step": 8}}, True)])
 def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma, tuning, tiles):
     h, i, experts = V4[model]
     routing, l1, l2 = Sm90NvFp4MoE.kernels(_Layer(h, i, experts, 6, 10.0, tuning, tiles), tile_tokens, wgmma)
@@ -90,8 +92,23 @@ def test_wgmma_heuristics_and_bad_config():
     assert {odd.config(t)[2] for t in range(1, 65)} == {1}
     from nvfp4_megamoe.kernels.sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm
     assert not use_wgmma(64, 6, 256) and use_wgmma(4096, 6, 256)
-    assert pick_wgmma_tile_tokens(1024, 6, 256) == 32 and pick_wgmma_tile_tokens(4096, 6, 256) == 128
-    assert pick_wgmma_tile_tokens(4096, 6, 384) == 80
+    # up to N = 48 one MMA width; from 64 on, N holds mean + 3 sqrt(mean) pairs and widths run from mean - 2 sqrt(mean)
+    assert pick_wgmma_tile_tokens(1024, 6, 256) == (32, 0) and pick_wgmma_tile_tokens(2048, 6, 384) == (48, 0)
+    assert pick_wgmma_tile_tokens(4096, 6, 256) == (128, 64) and pick_wgmma_tile_tokens(4096, 6, 384) == (96, 48)
+    assert pick_wgmma_tile_tokens(8192, 6, 256) == (128, 32)  # experts overflow 128: their last tiles take any count
+    layer = Sm90NvFp4MoE(hidden=7168, intermediate=3072, experts=384, top_k=6, swiglu_limit=10.0, max_tokens=4096,
+                         device="cpu")
+    cfg = layer.config(4096)
+    assert (cfg.tile_tokens, cfg.wgmma, cfg.min_tokens) == (96, True, 48)
+    _, l1, l2 = layer.kernels(*cfg)
+    assert l1.bn == l2.bn == 96 and l1.min_tokens == l2.min_tokens == 48 and l1.width_step == 16
+    forced = Sm90NvFp4MoE(hidden=7168, intermediate=3072, experts=384, top_k=6, swiglu_limit=10.0, max_tokens=4096,
+                          device="cpu", tuning={"wgmma_tile_tokens": 80})
+    assert forced.config(4096).tile_tokens == 80 and forced.kernels(*forced.config(4096))[1].min_tokens == 80
+    with pytest.raises(ValueError, match="min_tokens"):
+        Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", tile_tokens=96, min_tokens=40)
+    with pytest.raises(ValueError, match="width_step"):
+        Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", tile_tokens=96, min_tokens=48, width_step=12)
     with pytest.raises(ValueError, match="modes"):
         Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="store")
     with pytest.raises(ValueError, match="tile_tokens"):
@@ -142,9 +159,9 @@ def test_warmup_compiles_every_configuration_a_call_can_pick():
     # T = 1: one row tile (L1 with two warps per row group, each over half of K), then two; no routing kernel and row
     # tiles interleaved up to T = 4, block scales on the partial sums with two row tiles; from 342 tokens (8 pairs
     # per expert) the WGMMA kernels
-    assert layer.config(1) == (8, False, 1, True, False, False, 2)
-    assert layer.config(2) == (8, False, 2, True, True, True, 1) == layer.config(4)
-    assert layer.config(5) == (8, False, 2, False, False, False, 1)
+    assert layer.config(1) == (8, False, 1, True, False, False, 2, 0)
+    assert layer.config(2) == (8, False, 2, True, True, True, 1, 0) == layer.config(4)
+    assert layer.config(5) == (8, False, 2, False, False, False, 1, 0)
     assert any(cfg.wgmma for cfg in picked)
     assert layer.warmup() == len(picked)
     for cfg in picked:

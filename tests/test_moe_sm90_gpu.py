@@ -116,6 +116,10 @@ TUNED = [
     # one row tile capped at 3 CTAs per SM), and early with the L2 prefetch
     ("flash", 1, "uniform", {"pdl": False, "max_ctas": 0}),
     ("pro", 4, "skewed", {"pdl": True, "pdl_prefetch": True}),
+    # the WGMMA kernels with one MMA width (default from N = 64: one k-tile loop per width), and widths in steps of 8
+    ("pro", 4095, "uniform", {"wgmma_tile_tokens": 80}),
+    ("flash", 3400, "skewed", {"wgmma": True, "wg": {"min_tokens": 32, "width_step": 8}}),
+    ("small", 1001, "uniform", {"wgmma": True, "wgmma_tile_tokens": 64, "wg": {"min_tokens": 16}}),
 ]
 
 
