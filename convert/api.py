@@ -56,7 +56,8 @@ TARGET = {
     "gate_up_interleave": 8,
 }
 ROW_TILES_TARGET = {
-    "routed_weight_layout": "hopper row tiles: [E, M/16, K/128, 16 rows, 64 bytes] (nvfp4_megamoe.kernels.row_tiles)",
+    "routed_weight_layout": "hopper row tiles: [E, M/16, K/128, 16 rows, 64 bytes], each 4-byte word in hopper nibble "
+                            "order (nvfp4_megamoe.kernels.row_tiles)",
 }
 STAGING_DIR = ".nvfp4_source"
 DEFAULT_WORKERS = 2

@@ -44,6 +44,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from . import k_order
+from . import e2m1_registers as e2m1r
 from . import sm90_ptx as ptx
 from .row_tiles import ROWS, TILE_BYTES
 from .swizzle import swizzled_nbytes
@@ -180,7 +181,7 @@ class Sm90Nvfp4GroupedGemm:
         # the K order of the activation words the MMAs take (staged x is in the "lane" order)
         self.read_order = "lane" if self.stage_x else b_order
         # the decoded weights are v * 2**-126 unscaled in this mode; x * 2**BC_X_LOG2 keeps the products normal
-        self.epi_scale = float(2 ** (126 - BC_X_LOG2 if block_columns else ptx.EPILOGUE_LOG2))
+        self.epi_scale = float(2 ** (126 - BC_X_LOG2 if block_columns else e2m1r.EPILOGUE_LOG2))
         # activations ride the register pipeline too (two k-tiles ahead) when they are few
         if b_depth is None:
             b_depth = 2 if self.nb == 1 and not self.stage_x else 0
@@ -518,9 +519,12 @@ class Sm90Nvfp4GroupedGemm:
     def decode_rows(self, cw: cute.Tensor, cs: cute.Tensor, a: cute.Tensor, mt: int):
         for h in cutlass.range_constexpr(2):
             if const_expr(not self.block_columns):  # (block_columns: the scales go on the partial sums)
-                s01 = ptx.e4m3x2_to_bf16x2_pair(cs[mt, h], ptx.DECODE_BIAS)
+                s01 = ptx.e4m3x2_to_bf16x2_pair(cs[mt, h], e2m1r.DECODE_BIAS)
             for w in cutlass.range_constexpr(4):
-                r = ptx.decode_e2m1x8(cw[mt, h, w])
+                if const_expr(self.weight_tiles):  # row tiles hold Hopper-order words (``row_tiles``)
+                    r = e2m1r.decode_e2m1x8_hopper(cw[mt, h, w], ptx.rotr_b32)
+                else:
+                    r = e2m1r.decode_e2m1x8(cw[mt, h, w])
                 for j in cutlass.range_constexpr(4):
                     a[mt, h, w, j] = r[j] if const_expr(self.block_columns) else ptx.mul_bf16x2(r[j], s01[w // 2])
 

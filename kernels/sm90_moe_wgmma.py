@@ -35,6 +35,7 @@ import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import Float32, Int32, Int64, const_expr
 
 from . import k_order
+from . import e2m1_registers as e2m1r
 from . import sm90_ptx as ptx
 from .sm90_moe_gemm import K_TILE, Sm90Nvfp4GroupedGemm
 
@@ -119,7 +120,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         import math
         self.scale_bytes = swizzled_nbytes(m, k // 16)
         self.kb4 = math.ceil(k // 16 / 4)
-        self.epi_scale = float(2 ** ptx.EPILOGUE_LOG2)
+        self.epi_scale = float(2 ** e2m1r.EPILOGUE_LOG2)
         self.b_depth = 0
         self.region = self.bn * 128          # bytes of one 64-K half of a staged tile
         self.stage_bytes = 2 * self.region   # one 128-K tile

@@ -4,7 +4,7 @@ MoE (``sm90_moe_gemm``, ``sm90_moe_wgmma``):
 
 * 16-byte / 2-byte global loads on raw addresses (read-only path, weights streamed once);
 * ``mma.sync.m16n8k16`` BF16 x BF16 -> FP32 on register fragments, and register-sourced ``wgmma``;
-* E2M1 x E4M3 -> BF16 decode (see :func:`decode_e2m1x8`), exact;
+* E2M1 x E4M3 -> BF16: the E4M3 scales, and ``rotr_b32`` for the E2M1 decode of ``e2m1_registers`` (exact);
 * ``red.global.add.f32`` for the token scatter-reduce.
 
 Decode attention (``sm90_decode_attention``): ``cp.async.cg`` 16-byte gathers with zero fill,
@@ -132,37 +132,12 @@ def e4m3x2_to_f32x2(sf: Int32, *, loc=None, ip=None) -> tuple[Float32, Float32]:
     return _unpack(res, 2, T.f32(), Float32, loc, ip)
 
 
-# Decoding E2M1 without a table. A code s|e1 e0 m placed as BF16 bits ``s<<15 | (e1 e0 m)<<6``
-# reads as ``value * 2**-126`` for every code, the subnormal 0.5 included (exponent field e,
-# top mantissa bit m). So 8 nibbles v0..v7 of a word give 4 BF16x2 words R_j = (v_j, v_{j+4}):
-# both lanes of R_j need the same shift (6 - 4j for the magnitude, 12 - 4j for the sign).
-# The block scale is decoded as ``sb * 2**DECODE_BIAS`` and one BF16 multiply gives
-# ``v * sb * 2**(DECODE_BIAS - 126)`` exactly (<= 6 significant bits); the epilogue multiplies
-# by ``alpha * 2**(126 - DECODE_BIAS)``. DECODE_BIAS = 118 keeps every value a normal BF16
-# (smallest 0.5 * 2**-9 * 2**-8) and ``448 * 2**118`` below the BF16 maximum.
-DECODE_BIAS = 118
-EPILOGUE_LOG2 = 126 - DECODE_BIAS
-_MAG = 0x01C001C0
-_SIGN = 0x80008000
-
-
-def decode_e2m1x8(w: Int32) -> tuple[Int32, Int32, Int32, Int32]:
-    """8 E2M1 nibbles (v0 lowest) -> ``(v_j, v_{j+4}) * 2**-126`` as BF16x2 words, j = 0..3.
-
-    Plain integer operators only, so the same function also runs on torch integer tensors (the CPU test).
-    """
-    # Nibbles j and j + 4 alone (mask), times 2**a + 2**(a + 6): two copies of each nibble, one with its
-    # magnitude at bits 6..8 (22..24), one with its sign at bit 15 (31); the copies share no bit, so the
-    # product is their OR; a last mask keeps those bits. Nibbles 2, 3 come from the word shifted by 8.
-    # Three instructions per word out instead of four shift/mask ones, and the multiply runs on the FMA
-    # pipe, off the integer pipe the masks use (H200: 5-11 % faster from T = 16 on, docs/benchmarks.md).
-    out = []
-    for j in range(4):
-        src = w if j < 2 else w >> 8
-        n = src & (0x000F000F << (4 * (j % 2)))
-        copies = (1 << (6 - 4 * (j % 2))) + (1 << (12 - 4 * (j % 2)))
-        out.append((n * copies) & ((_MAG | _SIGN) - (1 << 32)))
-    return tuple(out)
+@dsl_user_op
+def rotr_b32(a: Int32, n: int, *, loc=None, ip=None) -> Int32:
+    """``a`` rotated right by ``n`` bits (``shf.r.wrap``: one instruction)."""
+    v = Int32(a).ir_value(loc=loc, ip=ip)
+    return Int32(llvm.inline_asm(T.i32(), [v, v], f"shf.r.wrap.b32 $0, $1, $2, {n};", "=r,r,r",
+                                 has_side_effects=False, loc=loc, ip=ip))
 
 
 @dsl_user_op

@@ -47,12 +47,21 @@ def fp8_linear_names(prefix: str) -> dict[str, str]:
 
 # The manifest's transform step of packed weights written in Hopper row tiles (``--target sm90``,
 # ``kernels/row_tiles.py``); a tensor whose ``transform`` lists it is tiled.
-ROW_TILES_STEP = "row_tiles(16 rows x 64 bytes)"
+ROW_TILES_STEP = "row_tiles(16 rows x 64 bytes, hopper nibble order)"
+# the step of the first row tiles (words in format 1's nibble order), which this version no longer reads
+ROW_TILES_STEP_V0 = "row_tiles(16 rows x 64 bytes)"
 
 
 def has_row_tiles(manifest: dict, name: str) -> bool:
-    """Is output tensor ``name`` stored in Hopper row tiles (its manifest transform lists :data:`ROW_TILES_STEP`)?"""
-    return ROW_TILES_STEP in manifest.get("tensors", {}).get(name, {}).get("transform", ())
+    """Is output tensor ``name`` stored in Hopper row tiles (its manifest transform lists :data:`ROW_TILES_STEP`)?
+
+    Raises :class:`FormatError` for the first row-tile layout (:data:`ROW_TILES_STEP_V0`)."""
+    steps = manifest.get("tensors", {}).get(name, {}).get("transform", ())
+    if ROW_TILES_STEP_V0 in steps:
+        raise FormatError(f"{name}: routed weights in the first Hopper row-tile layout ({ROW_TILES_STEP_V0!r}, written "
+                          f"before the Hopper nibble order); re-convert the source with `nvfp4-convert convert SRC DST "
+                          f"--target sm90` (or `--target sm100`, read by every GPU).")
+    return ROW_TILES_STEP in steps
 
 
 def read_manifest(path: str | Path) -> dict:

@@ -205,7 +205,7 @@ def test_register_e2m1_decode_is_exact_for_every_code_in_every_slot():
     """The kernels' ``decode_e2m1x8`` (run here on int64 tensors, the same operators the kernels trace): each
     BF16 half of word j, times 2**126, is the value of nibble j (low half) or j + 4 (high half), -0 included."""
     from nvfp4_megamoe.kernels.e2m1 import decode_e2m1
-    from nvfp4_megamoe.kernels.sm90_ptx import decode_e2m1x8
+    from nvfp4_megamoe.kernels.e2m1_registers import decode_e2m1x8
     gen = torch.Generator().manual_seed(0)
     words = torch.cat([torch.randint(0, 1 << 32, (1 << 16,), generator=gen, dtype=torch.int64),
                        torch.tensor([0x11111111 * c for c in range(16)])])  # every code in every nibble
