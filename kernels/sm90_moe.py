@@ -136,8 +136,9 @@ def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> tuple[int, 
     pairs per expert m. From there on each tile runs the narrowest width (steps of 16) that holds its tokens, so N can
     hold nearly every expert: m + 3 sqrt(m) (an expert's count under uniform routing spreads by about sqrt(m)), up to
     128; the narrowest width is m - 2 sqrt(m) rounded down, at least 32, or 32 where m + 3 sqrt(m) overflows 128 (the
-    last tiles of the experts that overflow take any count). Measured on an H200 in sustained replays (docs/benchmarks.md): V4-Pro T = 4096 (N 80 -> 96,
-    widths from 48) 10365 -> 9592 us, V4-Flash T = 4096 (N = 128, from 64) 3465 -> 3195 us."""
+    last tiles of the experts that overflow take any count). Measured on an H200 in sustained replays
+    (docs/benchmarks.md): V4-Pro T = 4096 (N 80 -> 96, widths from 48) 10365 -> 9592 us, V4-Flash T = 4096 (N = 128,
+    widths from 64) 3465 -> 3195 us."""
     mean = tokens * top_k / max(experts, 1)
     bn = _smallest_tile(1.25 * mean, WGMMA_TILE_TOKENS)
     if bn < 64:
@@ -198,8 +199,8 @@ class Sm90NvFp4MoE:
         else:
             shape = {"pdl": True, "max_ctas": DIRECT_ONE_ROW_TILE_CTAS} if direct else {}
         tuning = dict(getattr(self, "tuning", {}))
-        for key in ("wgmma", "wgmma_min_mean", "wgmma_tile_tokens", "direct", "direct_max_tokens", "interleave_max_tokens",
-                    "block_columns", "k_warps"):  # what ``config`` decides, passed in as arguments
+        for key in ("wgmma", "wgmma_min_mean", "wgmma_tile_tokens", "direct", "direct_max_tokens",
+                    "interleave_max_tokens", "block_columns", "k_warps"):  # what ``config`` decides, passed in as arguments
             tuning.pop(key, None)
         tuning = {**shape, **tuning}
         l1_extra, l2_extra = tuning.pop("l1", {}), tuning.pop("l2", {})
@@ -227,7 +228,9 @@ class Sm90NvFp4MoE:
         tokens (``tuning`` key ``"direct_max_tokens"``), never with ``tuning={"direct": False}``; ``interleave``
         with two row tiles up to ``INTERLEAVE_MAX_TOKENS`` (``"interleave_max_tokens"``); ``block_columns`` for
         direct calls with two row tiles (``tuning`` key ``"block_columns"``: True / False for every direct call);
-        ``k_warps`` 2 (L1) for direct calls with one row tile (``tuning`` key ``"k_warps"``: for every decode call)."""
+        ``k_warps`` 2 (L1) for direct calls with one row tile (``tuning`` key ``"k_warps"``: for every decode call);
+        the WGMMA token tile and narrowest MMA width from :func:`pick_wgmma_tile_tokens` (``tuning`` key
+        ``"wgmma_tile_tokens"``: that N, one width, which ``{"wg": {"min_tokens": ..}}`` can widen again)."""
         tuning = getattr(self, "tuning", {})
         wg = tuning.get("wgmma")
         if wg is None:

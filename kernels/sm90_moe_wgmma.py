@@ -127,7 +127,8 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
 
     def key(self) -> tuple:
         return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth, self.l2_prefetch,
-                self.stages, self.h_order, self.min_ctas, self.l2_ahead, self.weight_tiles, self.min_tokens, self.width_step)
+                self.stages, self.h_order, self.min_ctas, self.l2_ahead, self.weight_tiles, self.min_tokens,
+                self.width_step)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,

@@ -52,7 +52,8 @@ PDL = {"pdl": True, "pdl_prefetch": True, "l2_prefetch": 256}
     ("flash", 8, False, {"min_ctas": 2, "l1": {"k_warps": 2}, "l2": {"k_warps": 2}}, True),
     ("flash", 128, True, None, True),
     # one k-tile loop per MMA width (``min_tokens``), in steps of 16 and of 8
-    ("pro", 96, True, {"wg": {"min_tokens": 48}}, True), ("flash", 128, True, {"wg": {"min_tokens": 64, "width_step": 8}}, True)])
+    ("pro", 96, True, {"wg": {"min_tokens": 48}}, True),
+    ("flash", 128, True, {"wg": {"min_tokens": 64, "width_step": 8}}, True)])
 def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma, tuning, tiles):
     h, i, experts = V4[model]
     routing, l1, l2 = Sm90NvFp4MoE.kernels(_Layer(h, i, experts, 6, 10.0, tuning, tiles), tile_tokens, wgmma)

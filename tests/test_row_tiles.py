@@ -24,7 +24,8 @@ def test_round_trip_and_byte_positions():
         at = ((r // ROWS) * tiles_per_row + b // TILE_BYTES) * ROWS * TILE_BYTES + (r % ROWS) * TILE_BYTES + b % TILE_BYTES
         assert flat[e, at] == w[e, r, b]
     assert untile_rows(tile_rows(w[0])).equal(w[0])  # one matrix (a dense linear's shape) too
-    assert ROW_TILES_STEP == f"row_tiles({ROWS} rows x {TILE_BYTES} bytes, hopper nibble order)"  # the manifest's step
+    # the manifest's name of the step
+    assert ROW_TILES_STEP == f"row_tiles({ROWS} rows x {TILE_BYTES} bytes, hopper nibble order)"
 
 
 def test_hopper_words_decode_as_the_words_they_came_from():
