@@ -142,6 +142,27 @@ def test_sm90_target_tiles_the_routed_weights_and_nothing_else(converted, tmp_pa
     assert not rep.ok and _named(rep, routed[0])
 
 
+def test_first_row_tile_layout_is_named_by_verify_and_refused_by_the_runtime(converted, tmp_path):
+    """A --target sm90 checkpoint whose manifest names the first row-tile step (words in format 1's order, before the
+    Hopper nibble order): verify says to re-convert, and loading it is a FormatError that says so too."""
+    from nvfp4_megamoe.runtime import load_model
+    from nvfp4_megamoe.runtime.format import ROW_TILES_STEP, ROW_TILES_STEP_V0, FormatError
+
+    _, tiled_out = converted("flash-sm90")
+    old = _copy(tiled_out, tmp_path)
+    m = json.loads((old / MANIFEST_FILE).read_text())
+    routed = [n for n, rec in m["tensors"].items() if ROW_TILES_STEP in rec["transform"]]
+    assert routed
+    for name in routed:
+        m["tensors"][name]["transform"] = [ROW_TILES_STEP_V0 if t == ROW_TILES_STEP else t
+                                           for t in m["tensors"][name]["transform"]]
+    (old / MANIFEST_FILE).write_text(json.dumps(m))
+    rep = verify_checkpoint(old, progress=False, fast=True)
+    assert not rep.ok and any("re-convert" in msg for msg in _named(rep, routed[0]))
+    with pytest.raises(FormatError, match="re-convert"):
+        load_model(old, device="cpu")
+
+
 def test_sm90_target_refuses_shapes_it_cannot_tile(tmp_path):
     """I = 96: w2's 96 inputs are not whole 128-K tiles; the plan names the tensors and nothing is written."""
     from nvfp4_megamoe.convert.errors import PlanError
