@@ -31,7 +31,8 @@ import torch
 from tqdm.auto import tqdm
 
 from nvfp4_megamoe import __version__
-from nvfp4_megamoe.runtime.format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE
+from nvfp4_megamoe.runtime.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE,
+                                          ROW_TILES_FORMAT_VERSION)
 
 from .errors import ConvertError, OutputError, SourceError
 from .hub import HubSource, looks_like_repo_id
@@ -186,7 +187,7 @@ def build_manifest(src: Source, plan: Plan, writer: ShardWriter, source_files: d
         tensors[o.name] = entry
     return {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": ROW_TILES_FORMAT_VERSION if plan.options.target == "sm90" else FORMAT_VERSION,
         "converter_version": __version__,
         "source": {**src.record(), "files": source_files},
         "options": plan.options.as_dict(),

@@ -27,7 +27,8 @@ from .plan import Plan
 from .writer import fsync_dir
 
 JOURNAL_FILE = ".nvfp4_progress.json"
-JOURNAL_VERSION = 1
+# 2: --target sm90 shards hold Hopper-order words; a journal of 1 may list shards of the first row-tile layout
+JOURNAL_VERSION = 2
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -10,7 +10,11 @@ import json
 from pathlib import Path
 
 FORMAT_NAME = "nvfp4-megamoe"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # the manifest of a canonical (``--target sm100``) checkpoint, and every shard header
+# the manifest of a ``--target sm90`` checkpoint since its row tiles hold Hopper-order words: readers from before
+# that change took row tiles by another step name, and would have read these as row-major; this version refuses them
+ROW_TILES_FORMAT_VERSION = 2
+READABLE_VERSIONS = (FORMAT_VERSION, ROW_TILES_FORMAT_VERSION)
 MANIFEST_FILE = "nvfp4_manifest.json"
 INDEX_FILE = "model.safetensors.index.json"
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -78,9 +82,10 @@ def read_manifest(path: str | Path) -> dict:
     name, version = manifest.get("format"), manifest.get("format_version")
     if name != FORMAT_NAME:
         raise FormatError(f"{file}: format {name!r} is not {FORMAT_NAME!r}")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise FormatError(f"{file}: format version {version} is not supported by this version "
-                          f"(reads version {FORMAT_VERSION}); upgrade nvfp4-megamoe or re-convert.")
+                          f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade nvfp4-megamoe or "
+                          f"re-convert.")
     return manifest
 
 

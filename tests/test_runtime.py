@@ -343,9 +343,9 @@ def test_newer_format_version_is_a_clear_error(checkpoints, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
     manifest = json.loads((copy / "nvfp4_manifest.json").read_text())
-    manifest["format_version"] = 2
+    manifest["format_version"] = 3
     (copy / "nvfp4_manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(FormatError, match="version 2"):
+    with pytest.raises(FormatError, match="version 3"):
         load_model(copy)
 
 

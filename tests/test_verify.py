@@ -132,6 +132,8 @@ def test_sm90_target_tiles_the_routed_weights_and_nothing_else(converted, tmp_pa
         assert name not in routed or not tiled[name].equal(t)
     manifest = json.loads((tiled_out / MANIFEST_FILE).read_text())
     assert manifest["options"]["target"] == "sm90" and "routed_weight_layout" in manifest["target"]
+    # version 2: readers from before the Hopper nibble order refuse it instead of reading the tiles as row-major
+    assert manifest["format_version"] == 2 and json.loads((canon / MANIFEST_FILE).read_text())["format_version"] == 1
     assert "row_tiles(16 rows x 64 bytes, hopper nibble order)" in manifest["tensors"][routed[0]]["transform"]
 
     lying = _copy(tiled_out, tmp_path)  # say sm100: the tiled bytes no longer round-trip to the source
