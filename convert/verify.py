@@ -210,8 +210,9 @@ def _compare_plan(plan: Plan, lay: Layout, reader: OutputReader, rep: VerifyRepo
                 problems.append((name, shard, f"is {info.dtype} {list(info.shape)}, the plan says {o.dtype} {list(o.shape)}"))
         rec = records.get(name)
         if rec is not None and ROW_TILES_STEP_V0 in rec.get("transform", ()):
-            problems.append((name, lay.shard_of.get(name), f"in the first Hopper row-tile layout ({ROW_TILES_STEP_V0!r}, "
-                             "before the Hopper nibble order), which this version does not read: re-convert with "
+            problems.append((name, lay.shard_of.get(name),
+                             f"in the first Hopper row-tile layout ({ROW_TILES_STEP_V0!r}, before the Hopper nibble "
+                             "order), which this version does not read: re-convert with "
                              "`nvfp4-convert convert SRC DST --target sm90`"))
         elif rec is not None and (rec.get("sources") != o.sources or rec.get("transform") != o.transform):
             problems.append((name, lay.shard_of.get(name), "the manifest's sources/transform differ from the plan"))

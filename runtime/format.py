@@ -12,7 +12,7 @@ from pathlib import Path
 FORMAT_NAME = "nvfp4-megamoe"
 FORMAT_VERSION = 1  # the manifest of a canonical (``--target sm100``) checkpoint, and every shard header
 # the manifest of a ``--target sm90`` checkpoint since its row tiles hold Hopper-order words: readers from before
-# that change took row tiles by another step name, and would have read these as row-major; this version refuses them
+# that change know row tiles by another step name and would read these as row-major; the version makes them refuse
 ROW_TILES_FORMAT_VERSION = 2
 READABLE_VERSIONS = (FORMAT_VERSION, ROW_TILES_FORMAT_VERSION)
 MANIFEST_FILE = "nvfp4_manifest.json"
