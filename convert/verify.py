@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from nvfp4_megamoe.kernels.row_tiles import untile_rows
 from nvfp4_megamoe.kernels.scales import E4M3_NAN_BYTES
 from nvfp4_megamoe.kernels.swizzle import swizzle_padding
-from nvfp4_megamoe.runtime.format import ROW_TILES_STEP_V0
+from nvfp4_megamoe.runtime.format import FormatError, has_row_tiles
 
 from .errors import ConvertError
 from .options import DEFAULT_SHARD_SIZE, Options
@@ -209,12 +209,12 @@ def _compare_plan(plan: Plan, lay: Layout, reader: OutputReader, rep: VerifyRepo
             if (info.dtype, info.shape) != (o.dtype, o.shape):
                 problems.append((name, shard, f"is {info.dtype} {list(info.shape)}, the plan says {o.dtype} {list(o.shape)}"))
         rec = records.get(name)
-        if rec is not None and ROW_TILES_STEP_V0 in rec.get("transform", ()):
-            problems.append((name, lay.shard_of.get(name),
-                             f"in the first Hopper row-tile layout ({ROW_TILES_STEP_V0!r}, before the Hopper nibble "
-                             "order), which this version does not read: re-convert with "
-                             "`nvfp4-convert convert SRC DST --target sm90`"))
-        elif rec is not None and (rec.get("sources") != o.sources or rec.get("transform") != o.transform):
+        try:
+            has_row_tiles(manifest, name)  # the runtime's check: a layout it refuses is named as such
+        except FormatError as exc:
+            problems.append((name, lay.shard_of.get(name), str(exc)))
+            continue
+        if rec is not None and (rec.get("sources") != o.sources or rec.get("transform") != o.transform):
             problems.append((name, lay.shard_of.get(name), "the manifest's sources/transform differ from the plan"))
     for t, s, m in problems[:50]:
         rep.fail(t, s, m)
