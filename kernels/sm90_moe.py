@@ -117,11 +117,10 @@ def wgmma_shape(tile_tokens: int, hidden: int) -> dict:
     Layers of ``WGMMA_WIDE_HIDDEN`` and wider take two warpgroups from N = 64. These layers run at the H200's power
     cap, where two warpgroups (half the activation tiles staged from the L2 per weight row) take about 6 % more
     cycles but run at a higher clock: V4-Pro T = 4096 at ~690 W, 1.71 GHz against 1.52 (``bench/moe_power.py``).
-    Measured on an H200 in sustained replays (6
-    interleaved rounds each, docs/benchmarks.md), V4-Pro: T = 3000 (N = 64) 8461 -> 8282 us, T = 3500 / 4096 (N = 80)
-    9404 -> 8891 and 9863 -> 9353 (and five more runs of T = 4096, 5-6.4 % each), T = 4500 (N = 96) 10699 -> 9942; but
-    T = 2048 (N = 48) 7012 -> 7716. V4-Flash was slower so at N = 64 / 80 / 96 (T = 2048 / 2500 / 3072: 2041 -> 2369,
-    2375 -> 2485 (L1 alone), 2713 -> 2834 us)."""
+    Measured on an H200 in sustained replays (6 interleaved rounds each, docs/benchmarks.md), V4-Pro: T = 3000
+    (N = 64) 8461 -> 8282 us, T = 3500 / 4096 (N = 80) 9404 -> 8891 and 9863 -> 9353 (and five more runs of T = 4096,
+    5-6.4 % each), T = 4500 (N = 96) 10699 -> 9942; but T = 2048 (N = 48) 7012 -> 7716. V4-Flash was slower so at
+    N = 64 / 80 / 96 (T = 2048 / 2500 / 3072: 2041 -> 2369, 2375 -> 2485 (L1 alone), 2713 -> 2834 us)."""
     if tile_tokens <= 48:
         return {"warpgroups": 1, "min_ctas": 3}
     if tile_tokens <= 96 and not (hidden >= WGMMA_WIDE_HIDDEN and tile_tokens >= 64):
