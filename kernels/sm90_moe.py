@@ -1,7 +1,8 @@
 """Host side of the SM90 NVFP4 MoE: routing glue + L1 (SwiGLU) + L2 (routed scatter-add), and a dense linear.
 
-Flow of one layer (all on the current CUDA stream, no host sync, no allocation per call: the
-workspaces are sized once for ``max_tokens``, so the call is CUDA-graph capturable):
+Flow of one layer (on the current CUDA stream, which a prefill call's side stream forks from and joins again; no
+host sync, no allocation per call: the workspaces are sized once for ``max_tokens``, so the call is CUDA-graph
+capturable):
 
 1. ``Sm90MoeRouting``: pairs (token, slot) sorted by expert -> ``token_of``, ``weight_of``, tiles
    (skipped up to ``DIRECT_MAX_TOKENS`` tokens: each routed pair is a tile of its own, ``direct_top_k`` in
@@ -12,7 +13,8 @@ workspaces are sized once for ``max_tokens``, so the call is CUDA-graph capturab
 
 From ``WGMMA_MIN_MEAN`` routed pairs per expert on (prefill), steps 2 and 3 run the WGMMA kernels of
 ``sm90_moe_wgmma`` instead (same operands and epilogues; ``tuning={"wgmma": True/False}`` forces a path);
-they read activations in the ``"staged"`` K order, so ``x`` is first permuted into a workspace.
+they read activations in the ``"staged"`` K order, so ``x`` is first permuted into a workspace, while step 1
+runs on a side stream.
 
 Weights are format 1 as written by ``convert`` (``docs/format.md``), ``w13`` and ``w2`` row-major or, from a
 ``--target sm90`` conversion, in Hopper row tiles (``weight_tiles``); the contract of each operand is in
@@ -105,7 +107,7 @@ def use_wgmma(tokens: int, top_k: int, experts: int, min_mean: float = WGMMA_MIN
 WGMMA_WIDE_HIDDEN = 7168
 
 
-def wgmma_shape(tile_tokens: int, hidden: int) -> dict:
+def wgmma_shape(tile_tokens: int, hidden: int, sms: int = 132) -> dict:
     """CTA shape of the WGMMA kernels of a layer of width ``hidden`` for a token tile: one warpgroup (64 weight rows)
     up to N = 96, where the smaller CTAs let two (three up to N = 48, registers capped at 168) share an SM; two
     warpgroups above, where the accumulators fill the registers and one 128-row CTA reuses each staged activation
@@ -120,12 +122,18 @@ def wgmma_shape(tile_tokens: int, hidden: int) -> dict:
     Measured on an H200 in sustained replays (6 interleaved rounds each, docs/benchmarks.md), V4-Pro: T = 3000
     (N = 64) 8461 -> 8282 us, T = 3500 / 4096 (N = 80) 9404 -> 8891 and 9863 -> 9353 (and five more runs of T = 4096,
     5-6.4 % each), T = 4500 (N = 96) 10699 -> 9942; but T = 2048 (N = 48) 7012 -> 7716. V4-Flash was slower so at
-    N = 64 / 80 / 96 (T = 2048 / 2500 / 3072: 2041 -> 2369, 2375 -> 2485 (L1 alone), 2713 -> 2834 us)."""
+    N = 64 / 80 / 96 (T = 2048 / 2500 / 3072: 2041 -> 2369, 2375 -> 2485 (L1 alone), 2713 -> 2834 us).
+
+    Two-warpgroup CTAs fit one per SM (``sms`` of them at once), so nothing hides the start of the CTA that takes an
+    SM over; each CTA's L2 prefetches therefore run on into the first weight k-tiles of the block ``sms`` on
+    (``prefetch_next``). Sustained replays on an H200 (docs/benchmarks.md), us: V4-Pro T = 4096 8948 -> 8780 (9194 ->
+    9235 in a first run), T = 3000 7801 -> 7637; V4-Flash T = 4096 3035 -> 2926 (3104 -> 3047), T = 8192 5736 ->
+    5774."""
     if tile_tokens <= 48:
         return {"warpgroups": 1, "min_ctas": 3}
     if tile_tokens <= 96 and not (hidden >= WGMMA_WIDE_HIDDEN and tile_tokens >= 64):
         return {"warpgroups": 1, "min_ctas": 2, "l2_ahead": 8}
-    return {"l2_ahead": 8}
+    return {"l2_ahead": 8, "prefetch_next": sms}
 
 
 def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> tuple[int, int]:
@@ -183,6 +191,9 @@ class Sm90NvFp4MoE:
         self.xbuf = torch.empty(max_tokens, hidden, dtype=torch.bfloat16, device=dev)  # x in "staged" order
         self.zeros = torch.zeros(max(hidden, intermediate) // 2, dtype=torch.int32, device=dev)  # an activation row
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 132
+        # the routing's stream, beside the permute of x; high priority, so that its one CTA takes the first SM free
+        # instead of queueing behind the permute's
+        self.side = torch.cuda.Stream(dev, priority=-1) if dev.type == "cuda" else None
 
     def kernels(self, tile_tokens: int, wgmma: bool = False, row_tiles: int = 1, direct: bool = False,
                 interleave: bool = False, block_columns: bool = False, k_warps: int = 1, min_tokens: int = 0
@@ -208,8 +219,8 @@ class Sm90NvFp4MoE:
         if direct:
             tuning.update(direct_top_k=self.k, block_columns=block_columns)
         tuning = {"interleave_rows": interleave, "weight_tiles": self.weight_tiles, "stage_x": direct, **tuning}
-        wg_extra = {**wgmma_shape(tile_tokens, self.h), "weight_tiles": self.weight_tiles, "min_tokens": min_tokens,
-                    **tuning.pop("wg", {})}
+        wg_extra = {**wgmma_shape(tile_tokens, self.h, self.sms), "weight_tiles": self.weight_tiles,
+                    "min_tokens": min_tokens, **tuning.pop("wg", {})}
         if wgmma:
             return (Sm90MoeRouting(experts=self.e, top_k=self.k, tile_tokens=tile_tokens),
                     Sm90Nvfp4WgmmaGemm(m=2 * self.i, k=self.h, mode="swiglu", tile_tokens=tile_tokens,
@@ -313,10 +324,19 @@ class Sm90NvFp4MoE:
             token_of = self.zeros  # the pairs are in [T, k] order; block_columns reads zeros here
         else:
             tiles, weight_of = self.tiles[:max_tiles_for(pairs, self.e, cfg.tile_tokens)], self.weight_of[:pairs]
-            _launch(routing, [topk_ids.reshape(-1), topk_weights.reshape(-1), token_of, weight_of, tiles,
-                              self.num_tiles, self.rank[:pairs]])
-        if cfg.wgmma:
-            x = to_order(x, "staged", out=self.xbuf[:t])
+            routing_args = [topk_ids.reshape(-1), topk_weights.reshape(-1), token_of, weight_of, tiles,
+                            self.num_tiles, self.rank[:pairs]]
+            if cfg.wgmma:
+                # the routing (one CTA) runs beside the permute of x, on a side stream: two parallel branches of a
+                # CUDA graph, joined before L1
+                main = torch.cuda.current_stream(x.device)
+                self.side.wait_stream(main)
+                with torch.cuda.stream(self.side):
+                    _launch(routing, routing_args)
+                x = to_order(x, "staged", out=self.xbuf[:t])
+                main.wait_stream(self.side)
+            else:
+                _launch(routing, routing_args)
         _launch(l1, [w13, w13_scale, w13_alpha.reshape(-1), x, token_of, weight_of, tiles, self.num_tiles, hbuf,
                      out])  # zeroes out; alpha pairs flattened to [2E]
         _launch(l2, [w2, w2_scale, w2_alpha, hbuf, token_of, weight_of, tiles, self.num_tiles, out, out])

@@ -60,12 +60,16 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         min_tokens: the narrowest MMA width (0: N): tiles run the narrowest of ``min_tokens``,
             ``min_tokens + width_step``, .., N that holds their tokens.
         width_step: step between those widths (a multiple of 8).
+        prefetch_next: with ``l2_ahead``, the CTAs resident at once (0: off). Once its own L2 prefetches run past its
+            last k-tile, a CTA prefetches the first ``depth + l2_ahead`` weight k-tiles of the CTA ``prefetch_next``
+            blocks after it, the one that takes its place about when it leaves, so that CTA starts on L2 hits
+            instead of DRAM latency (one 256-thread CTA per SM: nothing else hides a CTA's start).
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 128, swiglu_limit: float | None = None,
                  warpgroups: int = 2, depth: int = 4, l2_prefetch: int = 0, stages: int = 4,
                  h_order: str = "staged", min_ctas: int = 1, l2_ahead: int = 0, weight_tiles: bool = False,
-                 min_tokens: int = 0, width_step: int = WIDTH_STEP, **_ignored):
+                 min_tokens: int = 0, width_step: int = WIDTH_STEP, prefetch_next: int = 0, **_ignored):
         if mode not in ("swiglu", "scatter"):
             raise ValueError(f"the wgmma GEMM has modes swiglu/scatter, got {mode!r}")
         if tile_tokens % 16 or not 16 <= tile_tokens <= 256:
@@ -108,6 +112,9 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         if l2_ahead < 0:
             raise ValueError(f"l2_ahead must be >= 0, got {l2_ahead}")
         self.l2_ahead = l2_ahead
+        if prefetch_next < 0 or (prefetch_next and not l2_ahead):
+            raise ValueError(f"prefetch_next must be >= 0, and 0 without l2_ahead; got {prefetch_next}")
+        self.prefetch_next = prefetch_next
         self.swiglu_limit = swiglu_limit
         self.out_bf16 = False
         self.direct_top_k = 0            # prefill only: the routing kernel always runs
@@ -128,7 +135,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
     def key(self) -> tuple:
         return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth, self.l2_prefetch,
                 self.stages, self.h_order, self.min_ctas, self.l2_ahead, self.weight_tiles, self.min_tokens,
-                self.width_step)
+                self.width_step, self.prefetch_next)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -153,12 +160,22 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
             expert = mTiles[by, 0]
             begin = mTiles[by, 1]
             end = mTiles[by, 2]
-            self.wg_tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, sbuf, expert, begin, end - begin, bx, tidx)
+            # the block that runs about when this one leaves (``prefetch_next``): its expert and row block
+            succ = cute.make_rmem_tensor((2,), Int32)
+            succ[0] = expert
+            succ[1] = bx
+            if const_expr(self.prefetch_next):
+                gx = self.m // self.bm
+                later = by * gx + bx + self.prefetch_next
+                if later // gx < mNumTiles[0]:
+                    succ[0] = mTiles[later // gx, 0]
+                    succ[1] = later % gx
+            self.wg_tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, sbuf, expert, begin, end - begin, bx, tidx, succ)
 
     @cute.jit
     def wg_tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,
                 mRW: cute.Tensor, mOut: cute.Tensor, sbuf: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32,
-                bx: Int32, tidx: Int32):
+                bx: Int32, tidx: Int32, succ: cute.Tensor):
         k, m = self.k, self.m
         wg = tidx // 128
         warp = (tidx % 128) // 32
@@ -212,21 +229,21 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                 self.stage_b(x_addr, x_bytes, s_smem + st * self.stage_bytes, st_off, st)
             cute.arch.cp_async_commit_group()
         if const_expr(self.min_tokens == self.bn):
-            self.k_loop(mAlpha, mTok, mRW, mOut, wbuf, sbufr, a_addr, s_addr, x_addr, x_bytes, s_smem, st_off,
-                        expert, begin, cnt, row_base, g, c, self.bn)
+            self.k_loop(mW, mAlpha, mTok, mRW, mOut, wbuf, sbufr, a_addr, s_addr, x_addr, x_bytes, s_smem, st_off,
+                        expert, begin, cnt, row_base, g, c, succ, self.bn)
         else:
             # one specialised loop per MMA width (compile-time N): the smallest that holds the tile's tokens
             for n in cutlass.range_constexpr(self.min_tokens, self.bn + 1, self.width_step):
                 lo = 0 if n == self.min_tokens else n - self.width_step
                 if cnt > lo and cnt <= n:
-                    self.k_loop(mAlpha, mTok, mRW, mOut, wbuf, sbufr, a_addr, s_addr, x_addr, x_bytes, s_smem,
-                                st_off, expert, begin, cnt, row_base, g, c, n)
+                    self.k_loop(mW, mAlpha, mTok, mRW, mOut, wbuf, sbufr, a_addr, s_addr, x_addr, x_bytes, s_smem,
+                                st_off, expert, begin, cnt, row_base, g, c, succ, n)
 
     @cute.jit
-    def k_loop(self, mAlpha: cute.Tensor, mTok: cute.Tensor, mRW: cute.Tensor, mOut: cute.Tensor, wbuf: cute.Tensor,
-               sbufr: cute.Tensor, a_addr: cute.Tensor, s_addr: cute.Tensor, x_addr: cute.Tensor, x_bytes: cute.Tensor,
-               s_smem: Int32, st_off: Int32, expert: Int32, begin: Int32, cnt: Int32, row_base: Int32, g: Int32,
-               c: Int32, n: cutlass.Constexpr):
+    def k_loop(self, mW: cute.Tensor, mAlpha: cute.Tensor, mTok: cute.Tensor, mRW: cute.Tensor, mOut: cute.Tensor,
+               wbuf: cute.Tensor, sbufr: cute.Tensor, a_addr: cute.Tensor, s_addr: cute.Tensor, x_addr: cute.Tensor,
+               x_bytes: cute.Tensor, s_smem: Int32, st_off: Int32, expert: Int32, begin: Int32, cnt: Int32,
+               row_base: Int32, g: Int32, c: Int32, succ: cute.Tensor, n: cutlass.Constexpr):
         """The k-tile loop and epilogue of one tile, its MMAs ``n`` columns wide (>= the tile's tokens)."""
         D = self.depth
         n_kt = self.n_kt
@@ -251,6 +268,13 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                     if far < n_kt:
                         for h in cutlass.range_constexpr(2):
                             ptx.prefetch_l2(a_addr[0, h] + Int64(far * self.kt_bytes), evict_last=False)
+                    elif const_expr(self.prefetch_next):
+                        if far < 2 * n_kt:  # the successor's first k-tiles: its rows as this thread's (rebuilt here)
+                            w_base = mW.iterator.toint() + Int64(succ[0]) * (self.m * (self.k // 2)) + Int64(c * 16)
+                            for h in cutlass.range_constexpr(2):
+                                wr = succ[1] * self.bm + row_base % self.bm + g + h * 8
+                                ptx.prefetch_l2(self.weight_row(w_base, wr) + Int64((far - n_kt) * self.kt_bytes),
+                                                evict_last=False)
                 cute.arch.cp_async_wait_group(S - 3)      # this thread's copies of B(kt) landed
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier()                        # ... everyone's; and B(kt - 2)'s stage is free

@@ -33,6 +33,7 @@ class _Layer:
     def __init__(self, h, i, e, k, limit, tuning=None, weight_tiles=False):
         self.h, self.i, self.e, self.k, self.limit = h, i, e, k, limit
         self.tuning, self.weight_tiles = tuning or {}, weight_tiles
+        self.sms = 132
 
 
 # the tunings: PDL with and without the L2 prefetch of the L2 weights, the L2 load hints, deeper pipelines
@@ -81,10 +82,10 @@ def test_wgmma_heuristics_and_bad_config():
     assert pick_row_tiles(1, 6, 384, 6144, 132) == 2
     for hidden in (4096, 7168):
         assert wgmma_shape(32, hidden) == {"warpgroups": 1, "min_ctas": 3} == wgmma_shape(48, hidden)
-        assert wgmma_shape(128, hidden) == {"l2_ahead": 8}
+        assert wgmma_shape(128, hidden, 132) == {"l2_ahead": 8, "prefetch_next": 132}
     # one warpgroup up to N = 96, except for layers as wide as V4-Pro's from N = 64 (two, as above 96)
     assert wgmma_shape(64, 4096) == {"warpgroups": 1, "min_ctas": 2, "l2_ahead": 8} == wgmma_shape(96, 4096)
-    assert wgmma_shape(64, 7168) == {"l2_ahead": 8} == wgmma_shape(96, 7168)
+    assert wgmma_shape(64, 7168, 78) == {"l2_ahead": 8, "prefetch_next": 78} == wgmma_shape(96, 7168, 78)
     pro = Sm90NvFp4MoE.kernels(_Layer(7168, 3072, 384, 6, 10.0), 80, True)
     flash = Sm90NvFp4MoE.kernels(_Layer(4096, 2048, 256, 6, 10.0), 80, True)
     assert pro[1].wgs == pro[2].wgs == 2 and flash[1].wgs == flash[2].wgs == 1
@@ -118,6 +119,8 @@ def test_wgmma_heuristics_and_bad_config():
         Sm90Nvfp4WgmmaGemm(m=192, k=128, mode="scatter")
     with pytest.raises(ValueError, match="stages"):
         Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", stages=2)
+    with pytest.raises(ValueError, match="prefetch_next"):
+        Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", prefetch_next=132)  # it continues the l2_ahead prefetches
     with pytest.raises(ValueError, match="h_order"):
         Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="swiglu", h_order="lanes")
     with pytest.raises(ValueError, match="b_order"):

@@ -184,7 +184,8 @@ def test_direct_moe_holds_for_small_and_large_activations(shape, tokens, scale):
 
 
 @pytest.mark.parametrize("t", [37, 1])
-@pytest.mark.parametrize("tuning", [None, {"pdl": True, "pdl_prefetch": True}])
+# {"wgmma": True}: the routing captured on the side stream, beside the permute of x
+@pytest.mark.parametrize("tuning", [None, {"pdl": True, "pdl_prefetch": True}, {"wgmma": True}])
 def test_moe_int32_ids_and_cuda_graph(tuning, t):
     h, i, e, k = SHAPES["small"]
     w = _weights("small")
