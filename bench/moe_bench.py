@@ -2,7 +2,9 @@
 
 For V4-Flash and V4-Pro expert shapes and T tokens (uniform random top-k, distinct experts), each
 implementation is captured in a CUDA graph and replayed with a cold L2 (a 512 MiB buffer is
-rewritten before every timed replay); the median of ``--reps`` replays is reported.
+rewritten before every timed replay); the median of ``--reps`` replays is reported, or with ``--rounds R`` the
+median of R such medians taken in interleaved rounds (each round times every implementation in turn), so that a
+clock that drifts over the run, or the state one contender leaves the GPU in, does not fall on one of them.
 
 Implementations: ``ours`` (kernels/sm90_moe.py); ``torch_bf16`` (torch._grouped_mm on BF16 weights
 dequantised once, sort/scatter in torch); ``humming`` and ``quack`` anchors when importable.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 from pathlib import Path
@@ -192,6 +195,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of --reps replays per implementation")
     ap.add_argument("--impls", default="ours,torch_bf16")
     ap.add_argument("--out", default="moe_bench.json")
     ap.add_argument("--plot", default=None)
@@ -249,7 +253,7 @@ def main() -> None:
             floor_flops = 2 * t * k * (h * 2 * i + i * h) / ceil["bf16_flops_per_s"]
             row = {"T": t, "experts_touched": touched, "floor_us": max(floor_bytes, floor_flops) * 1e6,
                    "floor_bytes_us": floor_bytes * 1e6, "floor_flops_us": floor_flops * 1e6}
-            outs = {}
+            outs, graphs = {}, {}
             for impl in impls:
                 if impl in variants and (t > args.variant_max_tokens
                                          or (variant_tokens[impl] is not None and t not in variant_tokens[impl])):
@@ -280,13 +284,22 @@ def main() -> None:
                         fn = quack(x, ids, wts, out)
                     else:
                         continue
-                    g = capture(fn)
-                    row[impl + "_us"] = timer.time(g, args.reps)
+                    # the callable stays referenced with its graph: the anchors' set-up tensors (QuACK's routing
+                    # plan, humming's buffers) live in its closure, outside the graph's memory pool
+                    graphs[impl] = (capture(fn), fn)
                     outs[impl] = out
-                    del g
                 except Exception as exc:  # an anchor that cannot run is reported, not fatal
                     row[impl + "_error"] = f"{type(exc).__name__}: {exc}"[:300]
                     print(f"  {impl}: {row[impl + '_error']}", flush=True)
+            times: dict[str, list[float]] = {impl: [] for impl in graphs}
+            for _ in range(args.rounds):
+                for impl, (g, _fn) in graphs.items():
+                    times[impl].append(timer.time(g, args.reps))
+            for impl, ts in times.items():
+                row[impl + "_us"] = statistics.median(ts)
+                if args.rounds > 1:
+                    row[impl + "_rounds_us"] = ts
+            del graphs
             if "ours" in outs:  # every implementation computes the same layer
                 for impl, o in outs.items():
                     row[impl + "_relerr_vs_ours"] = float((o - outs["ours"]).norm() / outs["ours"].norm())
