@@ -274,12 +274,12 @@ class Sm90Nvfp4GroupedGemm:
     def tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,
              mRW: cute.Tensor, mOut: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32, bx: Int32,
              kt0: Int32, warp: Int32, kpart: Int32, g: Int32, c: Int32):
-        k, m = self.k, self.m
+        k = self.k
         row_base = bx * self.bm + warp * (16 * self.row_tiles)
         e64 = Int64(expert)
 
         # --- per-thread base addresses (bytes) ---
-        w_base = mW.iterator.toint() + e64 * (m * (k // 2)) + Int64(c * 16)
+        w_base = self.weight_base(mW, expert, c)
         s_base = mS.iterator.toint() + e64 * self.scale_bytes + Int64((c // 2) * 512 + (c % 2) * 2)
         a_addr = cute.make_rmem_tensor((self.row_tiles, 2), Int64)
         s_addr = cute.make_rmem_tensor((self.row_tiles, 2), Int64)
@@ -430,6 +430,10 @@ class Sm90Nvfp4GroupedGemm:
     def kt_bytes(self) -> int:
         """Bytes from one k-tile of a weight row to the next (``weight_tiles``: a row group's whole k-tile)."""
         return ROWS * TILE_BYTES if self.weight_tiles else TILE_BYTES
+
+    def weight_base(self, mW: cute.Tensor, expert: Int32, c: Int32) -> Int64:
+        """Where the bytes of lane ``c`` of a quad start in the weights of ``expert`` (:meth:`weight_row` adds a row)."""
+        return mW.iterator.toint() + Int64(expert) * (self.m * (self.k // 2)) + Int64(c * 16)
 
     def weight_row(self, w_base: Int64, r: Int32) -> Int64:
         """Where weight row ``r`` of the expert at ``w_base`` starts its first k-tile (``weight_tiles``: row tiles)."""

@@ -176,7 +176,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
     def wg_tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,
                 mRW: cute.Tensor, mOut: cute.Tensor, sbuf: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32,
                 bx: Int32, tidx: Int32, succ: cute.Tensor):
-        k, m = self.k, self.m
+        k = self.k
         wg = tidx // 128
         warp = (tidx % 128) // 32
         lane = tidx % 32
@@ -186,7 +186,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         e64 = Int64(expert)
 
         # --- weights: per-thread addresses and register pipeline (as the mma.sync kernel, one row tile) ---
-        w_base = mW.iterator.toint() + e64 * (m * (k // 2)) + Int64(c * 16)
+        w_base = self.weight_base(mW, expert, c)
         s_base = mS.iterator.toint() + e64 * self.scale_bytes + Int64((c // 2) * 512 + (c % 2) * 2)
         a_addr = cute.make_rmem_tensor((1, 2), Int64)
         s_addr = cute.make_rmem_tensor((1, 2), Int64)
@@ -270,7 +270,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                             ptx.prefetch_l2(a_addr[0, h] + Int64(far * self.kt_bytes), evict_last=False)
                     elif const_expr(self.prefetch_next):
                         if far < 2 * n_kt:  # the successor's first k-tiles: its rows as this thread's (rebuilt here)
-                            w_base = mW.iterator.toint() + Int64(succ[0]) * (self.m * (self.k // 2)) + Int64(c * 16)
+                            w_base = self.weight_base(mW, succ[0], c)
                             for h in cutlass.range_constexpr(2):
                                 wr = succ[1] * self.bm + row_base % self.bm + g + h * 8
                                 ptx.prefetch_l2(self.weight_row(w_base, wr) + Int64((far - n_kt) * self.kt_bytes),
