@@ -583,34 +583,43 @@ class Sm90Nvfp4GroupedGemm:
                     wts[nb, tt] = mRW[begin + t]
         for mt in cutlass.range_constexpr(self.row_tiles):
             r0 = row_base + mt * 16 + g
+            # the addresses of this thread's first column (pair begin + 2 c) and row: every other column of "swiglu"
+            # is a constant distance on, which the stores take as an immediate offset
+            if const_expr(self.mode == "swiglu"):
+                j = k_order.position((row_base + mt * 16) // 2 + g, self.h_order)
+                h_col0 = out_base + (Int64(begin + 2 * c) * (self.m // 2) + Int64(j)) * 2
+            out_row = out_base + Int64(r0) * 4
             for nb in cutlass.range_constexpr(nbs):
                 for tt in cutlass.range_constexpr(2):
                     t = nb * 8 + 2 * c + tt
                     if t < cnt:
                         p = begin + t
-                        lo = acc[mt, nb, tt] * scale_lo       # row r0
-                        hi = acc[mt, nb, 2 + tt] * scale_hi   # row r0 + 8
                         if const_expr(self.mode == "swiglu"):
-                            gate, up = lo, hi
+                            gate = acc[mt, nb, tt] * scale_lo       # row r0
+                            up = acc[mt, nb, 2 + tt] * scale_hi     # row r0 + 8
                             if const_expr(self.swiglu_limit is not None):
                                 lim = Float32(self.swiglu_limit)
                                 gate = cute.arch.fmin(gate, lim)
                                 up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
-                            hval = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
+                            # sigmoid by the approximate reciprocal (<= 1 ulp, h is rounded to BF16): a division is a
+                            # dozen instructions and a branch to its slow path per value
+                            hval = gate * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
                             if const_expr(self.block_columns):
                                 hval = hval * Float32(2.0 ** BC_X_LOG2)  # the scale "scatter" expects of h
-                            j = k_order.position((row_base + mt * 16) // 2 + g, self.h_order)
-                            addr = out_base + (Int64(p) * (self.m // 2) + Int64(j)) * 2
-                            ptx.st_global_b16(addr, ptx.f32x2_to_bf16x2(hval, hval))
+                            ptx.st_global_b16(h_col0 + (nb * 8 + tt) * self.m,
+                                              ptx.f32x2_to_bf16x2(hval, hval))
                         elif const_expr(self.mode == "scatter"):
                             if const_expr(self.ids_first):
                                 tok, wt = toks[nb, tt], wts[nb, tt]
                             else:
                                 tok, wt = self.token_of(mTok, p), mRW[p]
-                            addr = out_base + (Int64(tok) * self.m + Int64(r0)) * 4
-                            ptx.red_add_f32(addr, lo * wt)
-                            ptx.red_add_f32(addr + 32, hi * wt)
+                            addr = out_row + Int64(tok) * (self.m * 4)
+                            sw = scale_lo * wt  # (one alpha for both rows)
+                            ptx.red_add_f32(addr, acc[mt, nb, tt] * sw)           # row r0
+                            ptx.red_add_f32(addr + 32, acc[mt, nb, 2 + tt] * sw)  # row r0 + 8
                         else:
+                            lo = acc[mt, nb, tt] * scale_lo       # row r0
+                            hi = acc[mt, nb, 2 + tt] * scale_hi   # row r0 + 8
                             if const_expr(self.out_bf16):
                                 addr = out_base + (Int64(p) * self.m + Int64(r0)) * 2
                                 ptx.st_global_b16(addr, ptx.f32x2_to_bf16x2(lo, lo))
