@@ -276,18 +276,17 @@ class Sm90Nvfp4GroupedGemm:
              kt0: Int32, warp: Int32, kpart: Int32, g: Int32, c: Int32):
         k = self.k
         row_base = bx * self.bm + warp * (16 * self.row_tiles)
-        e64 = Int64(expert)
 
         # --- per-thread base addresses (bytes) ---
         w_base = self.weight_base(mW, expert, c)
-        s_base = mS.iterator.toint() + e64 * self.scale_bytes + Int64((c // 2) * 512 + (c % 2) * 2)
+        s_base = self.scale_base(mS, expert, c)
         a_addr = cute.make_rmem_tensor((self.row_tiles, 2), Int64)
         s_addr = cute.make_rmem_tensor((self.row_tiles, 2), Int64)
         for mt in cutlass.range_constexpr(self.row_tiles):
             for h in cutlass.range_constexpr(2):
                 r = row_base + mt * 16 + g + h * 8
                 a_addr[mt, h] = self.weight_row(w_base, r)
-                s_addr[mt, h] = s_base + Int64((r // 128) * (self.kb4 * 512) + (r % 32) * 16 + ((r // 32) % 4) * 4)
+                s_addr[mt, h] = self.scale_row(s_base, r)
         # B row addresses of each 8-token block, for each half of a lane's 64 activation bytes (stage_x: shared
         # addresses, advancing ``b_step`` bytes a k-tile)
         b_addr = cute.make_rmem_tensor((self.nb, 2), Int32 if self.stage_x else Int64)
@@ -440,6 +439,17 @@ class Sm90Nvfp4GroupedGemm:
         if const_expr(self.weight_tiles):
             return w_base + Int64(r // ROWS) * (ROWS * (self.k // 2)) + Int64((r % ROWS) * TILE_BYTES)
         return w_base + Int64(r) * (self.k // 2)
+
+    def scale_base(self, mS: cute.Tensor, expert: Int32, c: Int32) -> Int64:
+        """Where lane ``c`` of a quad finds its two block scales of a row's first k-tile (its 32 K: blocks 2 c and
+        2 c + 1) in the scales of ``expert``, before :meth:`scale_row` adds the row: of the k-tile's two 512-byte
+        swizzle atoms (``swizzle``), atom c // 2, bytes 2 (c % 2) and 2 (c % 2) + 1 of the row's 4."""
+        return mS.iterator.toint() + Int64(expert) * self.scale_bytes + Int64((c // 2) * 512 + (c % 2) * 2)
+
+    def scale_row(self, s_base: Int64, r: Int32) -> Int64:
+        """Where row ``r``'s two scales are, from :meth:`scale_base`: its 128-row block of atoms, its 16-byte line
+        (r % 32) and 4-byte group ((r // 32) % 4) in an atom. A k-tile on is 1024 bytes (two atoms) on."""
+        return s_base + Int64((r // 128) * (self.kb4 * 512) + (r % 32) * 16 + ((r // 32) % 4) * 4)
 
     @cute.jit
     def load_a(self, wbuf: cute.Tensor, sbuf: cute.Tensor, a_addr: cute.Tensor, s_addr: cute.Tensor,

@@ -183,17 +183,16 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         g = lane // 4
         c = lane % 4
         row_base = bx * self.bm + wg * 64 + warp * 16
-        e64 = Int64(expert)
 
         # --- weights: per-thread addresses and register pipeline (as the mma.sync kernel, one row tile) ---
         w_base = self.weight_base(mW, expert, c)
-        s_base = mS.iterator.toint() + e64 * self.scale_bytes + Int64((c // 2) * 512 + (c % 2) * 2)
+        s_base = self.scale_base(mS, expert, c)
         a_addr = cute.make_rmem_tensor((1, 2), Int64)
         s_addr = cute.make_rmem_tensor((1, 2), Int64)
         for h in cutlass.range_constexpr(2):
             wr = row_base + g + h * 8
             a_addr[0, h] = self.weight_row(w_base, wr)
-            s_addr[0, h] = s_base + Int64((wr // 128) * (self.kb4 * 512) + (wr % 32) * 16 + ((wr // 32) % 4) * 4)
+            s_addr[0, h] = self.scale_row(s_base, wr)
 
         # --- activation staging: this thread's 16-byte chunks (fixed column chunk, rows n0 + 16 i * wgs) ---
         q16 = tidx % 16          # chunk of a 256-byte (128-K) row: columns 8 q16 .. 8 q16 + 7 of the staged tile

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 import huggingface_hub.constants as hf_constants
-from nvfp4_megamoe.convert import api as convert_api
 from nvfp4_megamoe.convert.api import STAGED_AHEAD, STAGING_DIR, convert_checkpoint
 from nvfp4_megamoe.convert.errors import SourceError
 from nvfp4_megamoe.convert.hub import HubSource
