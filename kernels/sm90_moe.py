@@ -32,7 +32,7 @@ import torch
 
 from .sm90_moe_gemm import Sm90Nvfp4GroupedGemm
 from .sm90_moe_routing import Sm90MoeRouting, max_tiles_for
-from .sm90_moe_wgmma import WGMMA_TILE_TOKENS, Sm90Nvfp4WgmmaGemm
+from .sm90_moe_wgmma import WGMMA_TILE_TOKENS, Sm90Nvfp4WgmmaGemm, wgmma_fits_k
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .k_order import to_order
 from .swizzle import swizzled_nbytes
@@ -244,7 +244,8 @@ class Sm90NvFp4MoE:
         tuning = getattr(self, "tuning", {})
         wg = tuning.get("wgmma")
         if wg is None:
-            wg = use_wgmma(tokens, self.k, self.e, tuning.get("wgmma_min_mean", WGMMA_MIN_MEAN))
+            wg = (use_wgmma(tokens, self.k, self.e, tuning.get("wgmma_min_mean", WGMMA_MIN_MEAN))
+                  and wgmma_fits_k(self.h) and wgmma_fits_k(self.i))
         min_tokens = 0
         if wg:
             bn, min_tokens = pick_wgmma_tile_tokens(tokens, self.k, self.e)

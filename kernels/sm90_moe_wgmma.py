@@ -43,6 +43,12 @@ WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
 WIDTH_STEP = 16  # step between the MMA widths of one kernel (``min_tokens``)
 
 
+def wgmma_fits_k(k: int) -> bool:
+    """Whether the WGMMA kernels take a GEMM whose K is ``k``: 128-K tiles, one of them or an even number (two or
+    more k-tiles in flight, ``Sm90Nvfp4WgmmaGemm``)."""
+    return k % K_TILE == 0 and (k == K_TILE or k // K_TILE % 2 == 0)
+
+
 class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
     """One compiled configuration of the WGMMA grouped GEMM.
 
@@ -97,6 +103,12 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         # 4 k-tiles of weights in flight: at N = 128 (two warpgroups, one CTA per SM) 251 registers, no spill,
         # and V4-Flash T = 4096 3.81 -> 3.48 ms against 2 (H200, docs/benchmarks.md)
         self.depth = max(d for d in (1, 2, 4) if d <= depth and self.n_kt % d == 0)
+        # One k-tile in flight over several k-tiles gave non-finite outputs on an H200 (V4-Pro and a small shape, two
+        # and four warpgroups; 2 and 4 held), most likely the next k-tile's decode reusing the A registers of a wgmma
+        # still in flight across the loop's back edge; with one k-tile in all (the tiny model's L2) there is none.
+        if self.depth == 1 and self.n_kt > 1:
+            raise ValueError(f"the wgmma GEMM needs depth >= 2 (got {depth}) and K / {K_TILE} even or 1 (K = {k}): "
+                             f"see wgmma_fits_k")
         if (self.bn * 16) % self.threads:
             raise ValueError(f"tile_tokens * 16 must be a multiple of {self.threads} threads")
         self.n_ld = self.bn * 16 // self.threads  # 16-byte activation chunks per thread per k-tile
