@@ -98,15 +98,18 @@ def main() -> None:
             for name, graph in graphs.items():
                 med = statistics.median(times[name])
                 err = float((outs[name] - first).norm() / first.norm())
+                # a kernel that computes garbage can run fast: its timing is flagged, not silently reported
+                finite = bool(torch.isfinite(outs[name]).all())
                 names, tl = timeline(graph, timer, 10 if t <= 64 else 4)
                 print(f"{model} T={t} {name:14s} {med:9.1f} us (bytes floor {floor / med:.1%})  rounds "
-                      f"{[round(v, 1) for v in times[name]]}  relerr vs {next(iter(variants))} {err:.1e}\n"
+                      f"{[round(v, 1) for v in times[name]]}  relerr vs {next(iter(variants))} {err:.1e}"
+                      + ("" if finite else "  NON-FINITE OUTPUT: not a valid timing") + "\n"
                       f"  timeline: launch {tl[0]:.1f} | "
                       + " | ".join(f"{nm[:24]} {tl[1 + 2 * j]:.1f}" + (f" gap {tl[2 + 2 * j]:.1f}" if j + 1 < len(names)
                                                                        else "") for j, nm in enumerate(names))
                       + f" | span {tl[-1]:.1f} us", flush=True)
                 results[f"{model}/{t}/{name}"] = {"us": med, "rounds": times[name], "floor_us": floor,
-                                                  "timeline_us": tl, "kernels": names}
+                                                  "timeline_us": tl, "kernels": names, "finite": finite}
     path = Path(os.environ.get("OUT", "."), f"probe_{'_'.join(models)}_{'_'.join(map(str, tokens))}.json")
     path.write_text(json.dumps(results, indent=1))
 
