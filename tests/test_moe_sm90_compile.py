@@ -118,9 +118,9 @@ def test_wgmma_heuristics_and_bad_config():
     with pytest.raises(ValueError, match="multiple of"):
         Sm90Nvfp4WgmmaGemm(m=192, k=128, mode="scatter")
     with pytest.raises(ValueError, match="stages"):
-        Sm90Nvfp4WgmmaGemm(m=128, k=256, mode="scatter", stages=2)
+        Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", stages=2)
     with pytest.raises(ValueError, match="prefetch_next"):
-        Sm90Nvfp4WgmmaGemm(m=128, k=256, mode="scatter", prefetch_next=132)  # it continues the l2_ahead prefetches
+        Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", prefetch_next=132)  # it continues the l2_ahead prefetches
     # one k-tile in flight over several gave non-finite outputs on an H200: K / 128 must be even (or 1)
     with pytest.raises(ValueError, match="depth >= 2"):
         Sm90Nvfp4WgmmaGemm(m=128, k=384, mode="scatter")
@@ -133,7 +133,7 @@ def test_wgmma_heuristics_and_bad_config():
                            device="cpu")
         assert moe.config(4096).wgmma is wgmma, (h, i)  # otherwise the mma.sync kernels
     with pytest.raises(ValueError, match="h_order"):
-        Sm90Nvfp4WgmmaGemm(m=128, k=256, mode="swiglu", h_order="lanes")
+        Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="swiglu", h_order="lanes")
     with pytest.raises(ValueError, match="b_order"):
         Sm90Nvfp4GroupedGemm(m=128, k=128, mode="scatter", b_order="staged")
 
