@@ -13,7 +13,9 @@ Same operands, work tiles, epilogues and call signature as :class:`Sm90Nvfp4Grou
 * MMA width: with ``min_tokens`` the k-tile loop is compiled once per width from ``min_tokens`` to N in steps
   of ``width_step``, and a tile runs the narrowest that holds its tokens: with uniform routing an expert's
   count spreads by about its square root around the mean, N must hold the largest (V4-Pro T = 4096: counts
-  42..92, mean 64), and columns past a tile's tokens cost MMA time and energy for nothing.
+  42..92, mean 64), and columns past a tile's tokens cost MMA time and energy for nothing. A tile stages the
+  activation rows of its width only (zero-filled past its tokens): staged for N, V4-Pro / V4-Flash T = 4096 took
+  2.7 / 5.6 % longer on an H200 (docs/benchmarks.md), the copies of zeros alone.
 * K order: the weights keep their per-thread K permutation (a lane quad owns a contiguous 32-K run,
   see ``sm90_moe_gemm``); the activation rows arrive already in the matching order (``"staged"``,
   ``k_order``: the host permutes ``x`` for L1, the L1 epilogue writes ``h`` so for L2), so a staged
@@ -234,11 +236,6 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         sbufr = cute.make_rmem_tensor((D, 1, 2), Int32)
         for d in cutlass.range_constexpr(D):
             self.load_a(wbuf, sbufr, a_addr, s_addr, d, d)
-        S = self.stages
-        for st in cutlass.range_constexpr(S - 2):
-            if st < n_kt:
-                self.stage_b(x_addr, x_bytes, s_smem + st * self.stage_bytes, st_off, st)
-            cute.arch.cp_async_commit_group()
         if const_expr(self.min_tokens == self.bn):
             self.k_loop(mW, mAlpha, mTok, mRW, mOut, wbuf, sbufr, a_addr, s_addr, x_addr, x_bytes, s_smem, st_off,
                         expert, begin, cnt, row_base, g, c, succ, self.bn)
@@ -259,6 +256,10 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         D = self.depth
         n_kt = self.n_kt
         S = self.stages
+        for st in cutlass.range_constexpr(S - 2):
+            if st < n_kt:
+                self.stage_b(x_addr, x_bytes, s_smem + st * self.stage_bytes, st_off, st, n)
+            cute.arch.cp_async_commit_group()
         acc = cute.make_rmem_tensor((n // 2,), Float32)
         acc.fill(0.0)
         for kto in cutlass.range(0, n_kt, D, unroll=1):
@@ -291,7 +292,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                 cute.arch.barrier()                        # ... everyone's; and B(kt - 2)'s stage is free
                 ahead = kt + S - 2
                 if ahead < n_kt:
-                    self.stage_b(x_addr, x_bytes, s_smem + (ahead % S) * self.stage_bytes, st_off, ahead)
+                    self.stage_b(x_addr, x_bytes, s_smem + (ahead % S) * self.stage_bytes, st_off, ahead, n)
                 cute.arch.cp_async_commit_group()
                 # decoded A: a[0, h, w, j] = (v_j, v_{j+4}) of word w of row g + 8 h, times its block scale
                 a = cute.make_rmem_tensor((1, 2, 4, 4), Int32)
@@ -322,9 +323,11 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         self.epilogue(acc4, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
 
     @cute.jit
-    def stage_b(self, x_addr: cute.Tensor, x_bytes: cute.Tensor, stage: Int32, st_off: Int32, kt: Int32):
-        """``cp.async`` this thread's 16-byte chunks of k-tile ``kt`` into the stage at shared address ``stage``
-        (rows past the tile's tokens are zero-filled: their output columns are never stored)."""
-        for i in cutlass.range_constexpr(self.n_ld):
-            ptx.cp_async_16(stage + st_off + i * (self.threads // 16) // 8 * 1024, x_addr[i] + Int64(kt * 256),
-                            x_bytes[i])
+    def stage_b(self, x_addr: cute.Tensor, x_bytes: cute.Tensor, stage: Int32, st_off: Int32, kt: Int32,
+                n: cutlass.Constexpr):
+        """``cp.async`` this thread's 16-byte chunks of k-tile ``kt`` into the stage at shared address ``stage``, those
+        of the first ``n`` rows, the MMAs' width: rows past it are not read (rows past the tile's tokens are
+        zero-filled: their output columns are never stored)."""
+        rows = self.threads // 16  # rows a chunk index spans
+        for i in cutlass.range_constexpr(min(self.n_ld, -(-n // rows))):
+            ptx.cp_async_16(stage + st_off + i * rows // 8 * 1024, x_addr[i] + Int64(kt * 256), x_bytes[i])
