@@ -39,7 +39,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import k_order
 from . import e2m1_registers as e2m1r
 from . import sm90_ptx as ptx
-from .sm90_moe_gemm import K_TILE, Sm90Nvfp4GroupedGemm
+from .sm90_moe_gemm import CTA_SMEM_RESERVED, K_TILE, SM_SMEM_BYTES, Sm90Nvfp4GroupedGemm
 
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
 WIDTH_STEP = 16  # step between the MMA widths of one kernel (``min_tokens``)
@@ -145,6 +145,14 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         self.b_depth = 0
         self.region = self.bn * 128          # bytes of one 64-K half of a staged tile
         self.stage_bytes = 2 * self.region   # one 128-K tile
+        if self.smem_bytes > SM_SMEM_BYTES - CTA_SMEM_RESERVED:  # (else the launch fails on the GPU, not here)
+            raise ValueError(f"{stages} stages of {self.stage_bytes} bytes (N = {tile_tokens}) take {self.smem_bytes} "
+                             f"bytes of shared memory, more than the {SM_SMEM_BYTES - CTA_SMEM_RESERVED} a CTA may have")
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory a CTA asks for: the stage ring, aligned to 1024 bytes within it."""
+        return self.stages * self.stage_bytes + 2048
 
     def key(self) -> tuple:
         return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth, self.l2_prefetch,
@@ -157,7 +165,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                  mOut: cute.Tensor, mZero: cute.Tensor, stream):
         self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
             grid=[self.m // self.bm, mTiles.shape[0], 1], block=[self.threads, 1, 1],
-            smem=self.stages * self.stage_bytes + 2048, stream=stream, min_blocks_per_mp=self.min_ctas,
+            smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_ctas,
             preferred_smem_carveout=-1 if self.min_ctas > 1 else None)
 
     @cute.kernel
@@ -231,7 +239,6 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         st_off = (q16 // 8) * self.region + (n0 // 8) * 1024 + n8 * 128 + (((q16 % 8) ^ n8) * 16)
 
         D = self.depth
-        n_kt = self.n_kt
         wbuf = cute.make_rmem_tensor((D, 1, 2, 4), Int32)
         sbufr = cute.make_rmem_tensor((D, 1, 2), Int32)
         for d in cutlass.range_constexpr(D):

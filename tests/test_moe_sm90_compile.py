@@ -119,6 +119,9 @@ def test_wgmma_heuristics_and_bad_config():
         Sm90Nvfp4WgmmaGemm(m=192, k=128, mode="scatter")
     with pytest.raises(ValueError, match="stages"):
         Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", stages=2)
+    with pytest.raises(ValueError, match="shared memory"):  # 8 x 32 KiB: the launch failed on an H200
+        Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", tile_tokens=128, stages=8)
+    assert Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", tile_tokens=128, stages=6).smem_bytes == 6 * 32768 + 2048
     with pytest.raises(ValueError, match="prefetch_next"):
         Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", prefetch_next=132)  # it continues the l2_ahead prefetches
     # one k-tile in flight over several gave non-finite outputs on an H200: K / 128 must be even (or 1)
