@@ -32,6 +32,7 @@ import torch
 from cutlass import Float32, Int32, Int64
 
 from . import sm90_ptx as ptx
+from .sm90_ptx import SMEM_LIMIT
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 
 KEYS_PER_CHUNK = 64                    # M of one wgmma: keys per pipeline step
@@ -84,9 +85,6 @@ def ordered_key(scores: torch.Tensor) -> torch.Tensor:
 def scores_of_key(key: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`ordered_key`: int64 keys [..., N] -> the float32 scores."""
     return _mono(key >> 32).to(torch.int32).view(torch.float32)
-
-
-SMEM_LIMIT = 227 * 1024
 
 
 def _smem_bytes(heads: int, dim: int) -> int:

@@ -62,7 +62,7 @@ import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import Float32, Int32, Int64, const_expr
 
 from . import sm90_ptx as ptx
-from .sm90_ptx import LOG2E
+from .sm90_ptx import LOG2E, SMEM_LIMIT
 from .cute_host import expect as _expect, launch as _launch
 
 HEAD_DIM = 512
@@ -72,7 +72,6 @@ THREADS = 256
 ATOM = 128                             # bytes of one swizzled row (64 BF16 dims)
 BLOCKS = ROW // ATOM                   # 8 column blocks per 512-dim row
 Q_BLOCK = HEADS_PER_CTA * ATOM         # 8 KB
-SMEM_LIMIT = 227 * 1024
 CHUNKS = (16, 32, 64)
 CHUNK = 64                             # the default chunk
 NEG_BIG = -1.0e30

@@ -39,7 +39,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import k_order
 from . import e2m1_registers as e2m1r
 from . import sm90_ptx as ptx
-from .sm90_moe_gemm import CTA_SMEM_RESERVED, K_TILE, SM_SMEM_BYTES, Sm90Nvfp4GroupedGemm
+from .sm90_moe_gemm import K_TILE, Sm90Nvfp4GroupedGemm
 
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
 WIDTH_STEP = 16  # step between the MMA widths of one kernel (``min_tokens``)
@@ -145,13 +145,13 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         self.b_depth = 0
         self.region = self.bn * 128          # bytes of one 64-K half of a staged tile
         self.stage_bytes = 2 * self.region   # one 128-K tile
-        if self.smem_bytes > SM_SMEM_BYTES - CTA_SMEM_RESERVED:  # (else the launch fails on the GPU, not here)
+        if self.smem_bytes > ptx.SMEM_LIMIT:  # (else the launch fails on the GPU, not here)
             raise ValueError(f"{stages} stages of {self.stage_bytes} bytes (N = {tile_tokens}) take {self.smem_bytes} "
-                             f"bytes of shared memory, more than the {SM_SMEM_BYTES - CTA_SMEM_RESERVED} a CTA may have")
+                             f"bytes of shared memory, more than the {ptx.SMEM_LIMIT} a CTA may have")
 
     @property
     def smem_bytes(self) -> int:
-        """Shared memory a CTA asks for: the stage ring, aligned to 1024 bytes within it."""
+        """Shared memory a CTA asks for: the stage ring and room to align it to 1024 bytes (the swizzle atoms)."""
         return self.stages * self.stage_bytes + 2048
 
     def key(self) -> tuple:

@@ -33,6 +33,7 @@ def _unpack(res, n: int, ty, wrap, loc=None, ip=None):
 
 
 L2_PREFETCH_BYTES = (0, 64, 128, 256)
+SMEM_LIMIT = 227 * 1024  # shared memory one CTA may ask for on sm_90 (the launch fails above it)
 
 
 @dsl_user_op
