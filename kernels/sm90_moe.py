@@ -13,8 +13,8 @@ capturable):
 
 From ``WGMMA_MIN_MEAN`` routed pairs per expert on (prefill), steps 2 and 3 run the WGMMA kernels of
 ``sm90_moe_wgmma`` instead (same operands and epilogues; ``tuning={"wgmma": True/False}`` forces a path);
-they read activations in the ``"staged"`` K order, so ``x`` is first permuted into a workspace, while step 1
-runs on a side stream.
+they read activations in the ``"staged"`` K order, so ``x`` is first permuted into a workspace
+(``Sm90StagedOrder``), while step 1 runs on a side stream.
 
 Weights are format 1 as written by ``convert`` (``docs/format.md``), ``w13`` and ``w2`` row-major or, from a
 ``--target sm90`` conversion, in Hopper row tiles (``weight_tiles``); the contract of each operand is in
@@ -31,10 +31,10 @@ from typing import NamedTuple
 import torch
 
 from .sm90_moe_gemm import Sm90Nvfp4GroupedGemm
+from .sm90_k_order import Sm90StagedOrder
 from .sm90_moe_routing import Sm90MoeRouting, max_tiles_for
 from .sm90_moe_wgmma import WGMMA_TILE_TOKENS, Sm90Nvfp4WgmmaGemm, wgmma_fits_k
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
-from .k_order import to_order
 from .swizzle import swizzled_nbytes
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)
@@ -105,6 +105,8 @@ def use_wgmma(tokens: int, top_k: int, experts: int, min_mean: float = WGMMA_MIN
 
 # layers at least this wide (H) run two warpgroups per WGMMA CTA from N = 64 tokens per tile (``wgmma_shape``)
 WGMMA_WIDE_HIDDEN = 7168
+# ... and up to this N, two m64 row groups per warpgroup (256-row CTAs), which takes N = 96 down to it
+WGMMA_TWO_GROUPS_MAX_TOKENS = 80
 
 
 def wgmma_shape(tile_tokens: int, hidden: int, sms: int = 132) -> dict:
@@ -128,11 +130,22 @@ def wgmma_shape(tile_tokens: int, hidden: int, sms: int = 132) -> dict:
     SM over; each CTA's L2 prefetches therefore run on into the first weight k-tiles of the block ``sms`` on
     (``prefetch_next``). Sustained replays on an H200 (docs/benchmarks.md), us: V4-Pro T = 4096 8948 -> 8780 (9194 ->
     9235 in a first run), T = 3000 7801 -> 7637; V4-Flash T = 4096 3035 -> 2926 (3104 -> 3047), T = 8192 5736 ->
-    5774."""
+    5774.
+
+    Wide layers from N = 64 to ``WGMMA_TWO_GROUPS_MAX_TOKENS`` run each warpgroup over two m64 row groups (``m_tiles``,
+    256-row CTAs, 2 k-tiles of weights in flight for 4 rows a thread): each staged activation tile then feeds twice
+    the weight rows, half the activation bytes the L2 serves the SMs (V4-Pro T = 4096: about 28 of 41 GB a layer
+    with 128-row CTAs). Above N = 80 the two groups' accumulators spill (N = 96: 48 / 88 bytes), so ``config`` takes
+    N = 96 down to 80 and the few experts above 80 pairs take two tiles. Measured on an H200 in sustained replays
+    (docs/benchmarks.md), V4-Pro T = 4096: 8926 -> 8353 us (two groups at N = 80) and 8239 (at N = 96, spilling),
+    then 8477 -> 8014 us with the scatter's ids loaded per column (9 of 10 rounds faster). V4-Flash (not wide) at
+    T = 4096 was slower so (N = 128, one group: 2748 us; two groups at N = 80 / 96: 3608 / 3427 us)."""
     if tile_tokens <= 48:
         return {"warpgroups": 1, "min_ctas": 3}
     if tile_tokens <= 96 and not (hidden >= WGMMA_WIDE_HIDDEN and tile_tokens >= 64):
         return {"warpgroups": 1, "min_ctas": 2, "l2_ahead": 8}
+    if hidden >= WGMMA_WIDE_HIDDEN and tile_tokens <= WGMMA_TWO_GROUPS_MAX_TOKENS:
+        return {"m_tiles": 2, "depth": 2, "l2_ahead": 8, "prefetch_next": sms}
     return {"l2_ahead": 8, "prefetch_next": sms}
 
 
@@ -194,6 +207,7 @@ class Sm90NvFp4MoE:
         # the routing's stream, beside the permute of x; high priority, so that its one CTA takes the first SM free
         # instead of queueing behind the permute's
         self.side = torch.cuda.Stream(dev, priority=-1) if dev.type == "cuda" else None
+        self.permute = Sm90StagedOrder()  # x into the "staged" K order, for the WGMMA L1
 
     def kernels(self, tile_tokens: int, wgmma: bool = False, row_tiles: int = 1, direct: bool = False,
                 interleave: bool = False, block_columns: bool = False, k_warps: int = 1, min_tokens: int = 0
@@ -239,7 +253,8 @@ class Sm90NvFp4MoE:
         with two row tiles up to ``INTERLEAVE_MAX_TOKENS`` (``"interleave_max_tokens"``); ``block_columns`` for
         direct calls with two row tiles (``tuning`` key ``"block_columns"``: True / False for every direct call);
         ``k_warps`` 2 (L1) for direct calls with one row tile (``tuning`` key ``"k_warps"``: for every decode call);
-        the WGMMA token tile and narrowest MMA width from :func:`pick_wgmma_tile_tokens` (``tuning`` key
+        the WGMMA token tile and narrowest MMA width from :func:`pick_wgmma_tile_tokens`, N = 96 taken down to
+        ``WGMMA_TWO_GROUPS_MAX_TOKENS`` for wide layers (two m64 groups a warpgroup, :func:`wgmma_shape`; ``tuning`` key
         ``"wgmma_tile_tokens"``: that N, one width, which ``{"wg": {"min_tokens": ..}}`` can widen again)."""
         tuning = getattr(self, "tuning", {})
         wg = tuning.get("wgmma")
@@ -249,6 +264,8 @@ class Sm90NvFp4MoE:
         min_tokens = 0
         if wg:
             bn, min_tokens = pick_wgmma_tile_tokens(tokens, self.k, self.e)
+            if self.h >= WGMMA_WIDE_HIDDEN and WGMMA_TWO_GROUPS_MAX_TOKENS < bn <= 96:  # two row groups (wgmma_shape)
+                bn, min_tokens = WGMMA_TWO_GROUPS_MAX_TOKENS, min(min_tokens, WGMMA_TWO_GROUPS_MAX_TOKENS)
             if "wgmma_tile_tokens" in tuning:  # e.g. {"wgmma_tile_tokens": 96, "wg": {"min_tokens": 48}}
                 bn, min_tokens = tuning["wgmma_tile_tokens"], 0
         else:
@@ -281,6 +298,8 @@ class Sm90NvFp4MoE:
                 _compile(routing, [ids, wts, *common, self.rank[:p]])
             _compile(l1, [w, sc, torch.empty(2, **f32), x, *pairs, self.hbuf[:p], out])
             _compile(l2, [w, sc, torch.empty(1, **f32), self.hbuf[:p], *pairs, out, out])
+            if cfg.wgmma:
+                _compile(self.permute, [x, self.xbuf[:1]])
         return len(configs)
 
     def check_weights(self, w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha) -> None:
@@ -334,7 +353,8 @@ class Sm90NvFp4MoE:
                 self.side.wait_stream(main)
                 with torch.cuda.stream(self.side):
                     _launch(routing, routing_args)
-                x = to_order(x, "staged", out=self.xbuf[:t])
+                _launch(self.permute, [x, self.xbuf[:t]])
+                x = self.xbuf[:t]
                 main.wait_stream(self.side)
             else:
                 _launch(routing, routing_args)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Float32, Int32
 
 THREADS = 1024
+BATCH = 8  # pairs a thread loads before it uses the first
 
 
 def max_tiles_for(pairs: int, experts: int, tile_tokens: int) -> int:
@@ -63,9 +64,17 @@ class Sm90MoeRouting:
         for e in cutlass.range(tidx, E, THREADS, unroll=1):
             s_cnt[e] = Int32(0)
         cute.arch.sync_threads()
-        for p in cutlass.range(tidx, n_pairs, THREADS, unroll=1):
-            e = Int32(mIds[p])
-            mRank[p] = cute.arch.atomic_add((s_cnt.iterator + e).llvm_ptr, Int32(1))
+        # BATCH pairs a thread: their loads first, then the atomics (V4-Pro T = 4096 after an L2 flush, on an H200: 64 ->
+        # 58 us with 8, 62 with 16)
+        for p0 in cutlass.range(tidx, n_pairs, THREADS * BATCH, unroll=1):
+            ids = cute.make_rmem_tensor((BATCH,), Int32)
+            for b in cutlass.range_constexpr(BATCH):
+                if p0 + b * THREADS < n_pairs:
+                    ids[b] = Int32(mIds[p0 + b * THREADS])
+            for b in cutlass.range_constexpr(BATCH):
+                p = p0 + b * THREADS
+                if p < n_pairs:
+                    mRank[p] = cute.arch.atomic_add((s_cnt.iterator + ids[b]).llvm_ptr, Int32(1))
         cute.arch.sync_threads()
 
         if warp == 0:
@@ -112,8 +121,19 @@ class Sm90MoeRouting:
                 mTiles[t0 + j, 0] = e
                 mTiles[t0 + j, 1] = b
                 mTiles[t0 + j, 2] = stop
-        for p in cutlass.range(tidx, n_pairs, THREADS, unroll=1):
-            e = Int32(mIds[p])
-            q = s_off[e] + mRank[p]
-            mTok[q] = p // self.top_k
-            mWOut[q] = mW[p]
+        for p0 in cutlass.range(tidx, n_pairs, THREADS * BATCH, unroll=1):
+            ids = cute.make_rmem_tensor((BATCH,), Int32)
+            ranks = cute.make_rmem_tensor((BATCH,), Int32)
+            wts = cute.make_rmem_tensor((BATCH,), Float32)
+            for b in cutlass.range_constexpr(BATCH):
+                p = p0 + b * THREADS
+                if p < n_pairs:
+                    ids[b] = Int32(mIds[p])
+                    ranks[b] = mRank[p]
+                    wts[b] = mW[p]
+            for b in cutlass.range_constexpr(BATCH):
+                p = p0 + b * THREADS
+                if p < n_pairs:
+                    q = s_off[ids[b]] + ranks[b]
+                    mTok[q] = p // self.top_k
+                    mWOut[q] = wts[b]

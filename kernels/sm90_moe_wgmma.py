@@ -9,7 +9,7 @@ Same operands, work tiles, epilogues and call signature as :class:`Sm90Nvfp4Grou
   ``l2_ahead`` prefetched into the L2 that many k-tiles further on;
 * B = ``tile_tokens`` (N) activation rows staged in shared memory, K-major, 128-byte swizzle, in a
   ring of ``stages`` tiles of 128 K each, and read by the tensor cores through a matrix descriptor;
-  a CTA is ``warpgroups`` x 64 weight rows, so each staged tile feeds 64 * warpgroups rows.
+  a CTA is ``warpgroups`` x ``m_tiles`` x 64 weight rows, so each staged tile feeds that many rows.
 * MMA width: with ``min_tokens`` the k-tile loop is compiled once per width from ``min_tokens`` to N in steps
   of ``width_step``, and a tile runs the narrowest that holds its tokens: with uniform routing an expert's
   count spreads by about its square root around the mean, N must hold the largest (V4-Pro T = 4096: counts
@@ -25,7 +25,8 @@ Same operands, work tiles, epilogues and call signature as :class:`Sm90Nvfp4Grou
 
 Per k-tile kt: wait for the copies of B(kt), proxy fence, barrier (so every warpgroup is past
 ``wait_group 1`` of kt - 1: B(kt - 2)'s stage is free), issue the copies of B(kt + stages - 2) into it,
-decode A(kt), ``wgmma.fence``, 8 ``wgmma`` (k16 steps) on stage kt % stages, commit, ``wait_group 1``.
+decode A(kt), ``wgmma.fence``, 8 ``wgmma`` (k16 steps) on stage kt % stages, commit, ``wait_group 1``
+(with two m64 groups, that for each group in turn: a group's MMAs run while the other group is decoded).
 The MMAs of kt run while A(kt + 1) is decoded; activations land ``stages - 2`` tiles ahead.
 """
 
@@ -39,6 +40,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import k_order
 from . import e2m1_registers as e2m1r
 from . import sm90_ptx as ptx
+from .row_tiles import ROWS, TILE_BYTES
 from .sm90_moe_gemm import K_TILE, Sm90Nvfp4GroupedGemm
 
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
@@ -57,7 +59,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
     Args:
         m, k, mode, swiglu_limit, depth: as :class:`Sm90Nvfp4GroupedGemm` (mode ``"swiglu"``/``"scatter"``).
         tile_tokens: N, tokens per work item: 16 .. 256, a multiple of 16.
-        warpgroups: warpgroups per CTA (each owns 64 weight rows).
+        warpgroups: warpgroups per CTA (each owns 64 weight rows per m64 group).
         l2_prefetch: bytes the L2 fetches around each weight load (``sm90_ptx.ld_global_v4``).
         stages: staged activation tiles (>= 3; ``stages - 2`` in flight ahead of the MMAs).
         h_order: ``"swiglu"``: K order ``h`` is written in (``"staged"`` for an L2 of this kernel).
@@ -72,12 +74,16 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
             last k-tile, a CTA prefetches the first ``depth + l2_ahead`` weight k-tiles of the CTA ``prefetch_next``
             blocks after it, the one that takes its place about when it leaves, so that CTA starts on L2 hits
             instead of DRAM latency (one 256-thread CTA per SM: nothing else hides a CTA's start).
+        m_tiles: m64 row groups per warpgroup (1 or 2): a warp owns ``m_tiles`` adjacent 16-row groups, MMA group mt
+            takes group mt of each of the warpgroup's warps, and each group's 8 MMAs a k-tile are a commit group of
+            their own, so one group's decode overlaps the other's MMAs (``sm90_moe.wgmma_shape``).
     """
 
     def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 128, swiglu_limit: float | None = None,
                  warpgroups: int = 2, depth: int = 4, l2_prefetch: int = 0, stages: int = 4,
                  h_order: str = "staged", min_ctas: int = 1, l2_ahead: int = 0, weight_tiles: bool = False,
-                 min_tokens: int = 0, width_step: int = WIDTH_STEP, prefetch_next: int = 0, **_ignored):
+                 min_tokens: int = 0, width_step: int = WIDTH_STEP, prefetch_next: int = 0, m_tiles: int = 1,
+                 **_ignored):
         if mode not in ("swiglu", "scatter"):
             raise ValueError(f"the wgmma GEMM has modes swiglu/scatter, got {mode!r}")
         if tile_tokens % 16 or not 16 <= tile_tokens <= 256:
@@ -91,11 +97,13 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                 or (tile_tokens - self.min_tokens) % width_step):
             raise ValueError(f"min_tokens must be a multiple of 8 in [8, tile_tokens={tile_tokens}] and differ from it "
                              f"by a multiple of width_step={width_step} (a multiple of 8), got {min_tokens}")
+        if m_tiles not in (1, 2):
+            raise ValueError(f"m_tiles must be 1 or 2, got {m_tiles}")
         self.wgs = warpgroups
         self.warps = 4 * warpgroups
         self.threads = 128 * warpgroups
-        self.row_tiles = 1
-        self.bm = 64 * warpgroups
+        self.row_tiles = m_tiles  # a warp's 16-row groups, one per m64 MMA of its warpgroup
+        self.bm = 64 * warpgroups * m_tiles
         self.split_k = 1
         if m % self.bm:
             raise ValueError(f"M={m} must be a multiple of the CTA's {self.bm} rows")
@@ -121,7 +129,8 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         self.stages, self.h_order = stages, h_order
         # the scatter's ids loaded first (``epilogue``) do not fit under the register cap of three CTAs per SM: ptxas
         # spills 88 bytes at N = 32
-        self.ids_first = min_ctas < 3
+        # nor, with two m64 groups, those of N = 80 (8 bytes spilled)
+        self.ids_first = min_ctas < 3 and m_tiles == 1
         self.min_ctas = min_ctas
         if l2_ahead < 0:
             raise ValueError(f"l2_ahead must be >= 0, got {l2_ahead}")
@@ -157,7 +166,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
     def key(self) -> tuple:
         return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth, self.l2_prefetch,
                 self.stages, self.h_order, self.min_ctas, self.l2_ahead, self.weight_tiles, self.min_tokens,
-                self.width_step, self.prefetch_next)
+                self.width_step, self.prefetch_next, self.row_tiles)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -204,17 +213,16 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         lane = tidx % 32
         g = lane // 4
         c = lane % 4
-        row_base = bx * self.bm + wg * 64 + warp * 16
+        MT = self.row_tiles
+        # a warp owns MT adjacent 16-row groups; m64 MMA mt of a warpgroup takes group mt of each of its 4 warps
+        row_base = bx * self.bm + (wg * 4 + warp) * 16 * MT
 
         # --- weights: per-thread addresses and register pipeline (as the mma.sync kernel, one row tile) ---
         w_base = self.weight_base(mW, expert, c)
         s_base = self.scale_base(mS, expert, c)
-        a_addr = cute.make_rmem_tensor((1, 2), Int64)
-        s_addr = cute.make_rmem_tensor((1, 2), Int64)
-        for h in cutlass.range_constexpr(2):
-            wr = row_base + g + h * 8
-            a_addr[0, h] = self.weight_row(w_base, wr)
-            s_addr[0, h] = self.scale_row(s_base, wr)
+        # row g's addresses: the thread's other rows are constant offsets on (``row_offsets``)
+        a_addr = self.weight_row(w_base, row_base + g)
+        s_addr = self.scale_row(s_base, row_base + g)
 
         # --- activation staging: this thread's 16-byte chunks (fixed column chunk, rows n0 + 16 i * wgs) ---
         q16 = tidx % 16          # chunk of a 256-byte (128-K) row: columns 8 q16 .. 8 q16 + 7 of the staged tile
@@ -239,8 +247,8 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         st_off = (q16 // 8) * self.region + (n0 // 8) * 1024 + n8 * 128 + (((q16 % 8) ^ n8) * 16)
 
         D = self.depth
-        wbuf = cute.make_rmem_tensor((D, 1, 2, 4), Int32)
-        sbufr = cute.make_rmem_tensor((D, 1, 2), Int32)
+        wbuf = cute.make_rmem_tensor((D, MT, 2, 4), Int32)
+        sbufr = cute.make_rmem_tensor((D, MT, 2), Int32)
         for d in cutlass.range_constexpr(D):
             self.load_a(wbuf, sbufr, a_addr, s_addr, d, d)
         if const_expr(self.min_tokens == self.bn):
@@ -256,28 +264,30 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
 
     @cute.jit
     def k_loop(self, mW: cute.Tensor, mAlpha: cute.Tensor, mTok: cute.Tensor, mRW: cute.Tensor, mOut: cute.Tensor,
-               wbuf: cute.Tensor, sbufr: cute.Tensor, a_addr: cute.Tensor, s_addr: cute.Tensor, x_addr: cute.Tensor,
+               wbuf: cute.Tensor, sbufr: cute.Tensor, a_addr: Int64, s_addr: Int64, x_addr: cute.Tensor,
                x_bytes: cute.Tensor, s_smem: Int32, st_off: Int32, expert: Int32, begin: Int32, cnt: Int32,
                row_base: Int32, g: Int32, c: Int32, succ: cute.Tensor, n: cutlass.Constexpr):
         """The k-tile loop and epilogue of one tile, its MMAs ``n`` columns wide (>= the tile's tokens)."""
         D = self.depth
+        MT = self.row_tiles
         n_kt = self.n_kt
         S = self.stages
         for st in cutlass.range_constexpr(S - 2):
             if st < n_kt:
                 self.stage_b(x_addr, x_bytes, s_smem + st * self.stage_bytes, st_off, st, n)
             cute.arch.cp_async_commit_group()
-        acc = cute.make_rmem_tensor((n // 2,), Float32)
+        acc = cute.make_rmem_tensor((MT, n // 2), Float32)
         acc.fill(0.0)
         for kto in cutlass.range(0, n_kt, D, unroll=1):
             for d in cutlass.range_constexpr(D):
                 kt = kto + d
-                cw = cute.make_rmem_tensor((1, 2, 4), Int32)
-                cs = cute.make_rmem_tensor((1, 2), Int32)
-                for h in cutlass.range_constexpr(2):
-                    cs[0, h] = sbufr[d, 0, h]
-                    for i in cutlass.range_constexpr(4):
-                        cw[0, h, i] = wbuf[d, 0, h, i]
+                cw = cute.make_rmem_tensor((MT, 2, 4), Int32)
+                cs = cute.make_rmem_tensor((MT, 2), Int32)
+                for mt in cutlass.range_constexpr(MT):
+                    for h in cutlass.range_constexpr(2):
+                        cs[mt, h] = sbufr[d, mt, h]
+                        for i in cutlass.range_constexpr(4):
+                            cw[mt, h, i] = wbuf[d, mt, h, i]
                 nxt = kt + D
                 if nxt > n_kt - 1:
                     nxt = n_kt - 1
@@ -285,15 +295,18 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                 if const_expr(self.l2_ahead > 0):
                     far = kt + D + self.l2_ahead
                     if far < n_kt:
-                        for h in cutlass.range_constexpr(2):
-                            ptx.prefetch_l2(a_addr[0, h] + Int64(far * self.kt_bytes), evict_last=False)
+                        for mt in cutlass.range_constexpr(MT):
+                            for h in cutlass.range_constexpr(2):
+                                ptx.prefetch_l2(a_addr + Int64(far * self.kt_bytes + self.row_offsets(mt, h)[0]),
+                                                evict_last=False)
                     elif const_expr(self.prefetch_next):
                         if far < 2 * n_kt:  # the successor's first k-tiles: its rows as this thread's (rebuilt here)
                             w_base = self.weight_base(mW, succ[0], c)
-                            for h in cutlass.range_constexpr(2):
-                                wr = succ[1] * self.bm + row_base % self.bm + g + h * 8
-                                ptx.prefetch_l2(self.weight_row(w_base, wr) + Int64((far - n_kt) * self.kt_bytes),
-                                                evict_last=False)
+                            for mt in cutlass.range_constexpr(MT):
+                                for h in cutlass.range_constexpr(2):
+                                    wr = succ[1] * self.bm + row_base % self.bm + mt * 16 + g + h * 8
+                                    ptx.prefetch_l2(self.weight_row(w_base, wr) + Int64((far - n_kt) * self.kt_bytes),
+                                                    evict_last=False)
                 cute.arch.cp_async_wait_group(S - 3)      # this thread's copies of B(kt) landed
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier()                        # ... everyone's; and B(kt - 2)'s stage is free
@@ -301,33 +314,58 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                 if ahead < n_kt:
                     self.stage_b(x_addr, x_bytes, s_smem + (ahead % S) * self.stage_bytes, st_off, ahead, n)
                 cute.arch.cp_async_commit_group()
-                # decoded A: a[0, h, w, j] = (v_j, v_{j+4}) of word w of row g + 8 h, times its block scale
-                a = cute.make_rmem_tensor((1, 2, 4, 4), Int32)
-                self.decode_rows(cw, cs, a, 0)
                 stage = s_smem + (kt % S) * self.stage_bytes
                 # each step's descriptor is the stage's plus its offset / 16: an add instead of a rebuild (no carry out
                 # of the 14-bit address field below 256 KiB; V4-Pro T = 1024 5621 -> 5382 us on an H200, docs/benchmarks.md)
                 desc0 = ptx.smem_desc_sw128(stage)
-                warpgroup.fence()
-                for w in cutlass.range_constexpr(4):
-                    for u in cutlass.range_constexpr(2):
-                        s = 2 * w + u
-                        desc = desc0 + Int64(((s // 4) * self.region + (s % 4) * 32) >> 4)
-                        vals = [acc[i] for i in range(n // 2)]
-                        vals = ptx.wgmma_bf16_rs(vals, a[0, 0, w, 2 * u], a[0, 1, w, 2 * u], a[0, 0, w, 2 * u + 1],
-                                                 a[0, 1, w, 2 * u + 1], desc)
-                        for i in cutlass.range_constexpr(n // 2):
-                            acc[i] = vals[i]
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
+                # decoded A: a[mt, h, w, j] = (v_j, v_{j+4}) of word w of row mt * 16 + g + 8 h, times its block scale;
+                # each m64 MMA its own commit group, so that the decode of one runs while the other's MMAs do
+                a = cute.make_rmem_tensor((MT, 2, 4, 4), Int32)
+                for mt in cutlass.range_constexpr(MT):
+                    self.decode_rows(cw, cs, a, mt)
+                    warpgroup.fence()
+                    for w in cutlass.range_constexpr(4):
+                        for u in cutlass.range_constexpr(2):
+                            s = 2 * w + u
+                            desc = desc0 + Int64(((s // 4) * self.region + (s % 4) * 32) >> 4)
+                            vals = [acc[mt, i] for i in range(n // 2)]
+                            vals = ptx.wgmma_bf16_rs(vals, a[mt, 0, w, 2 * u], a[mt, 1, w, 2 * u],
+                                                     a[mt, 0, w, 2 * u + 1], a[mt, 1, w, 2 * u + 1], desc)
+                            for i in cutlass.range_constexpr(n // 2):
+                                acc[mt, i] = vals[i]
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
 
         warpgroup.wait_group(0)
-        vals = ptx.fence_operands([acc[i] for i in range(n // 2)])
-        acc4 = cute.make_rmem_tensor((1, n // 8, 4), Float32)
-        for nb in cutlass.range_constexpr(n // 8):
-            for i in cutlass.range_constexpr(4):
-                acc4[0, nb, i] = vals[4 * nb + i]
+        acc4 = cute.make_rmem_tensor((MT, n // 8, 4), Float32)
+        for mt in cutlass.range_constexpr(MT):
+            vals = ptx.fence_operands([acc[mt, i] for i in range(n // 2)])
+            for nb in cutlass.range_constexpr(n // 8):
+                for i in cutlass.range_constexpr(4):
+                    acc4[mt, nb, i] = vals[4 * nb + i]
         self.epilogue(acc4, mAlpha, mTok, mRW, mOut, expert, begin, cnt, row_base, g, c)
+
+    def row_offsets(self, mt: int, h: int) -> tuple[int, int]:
+        """Bytes from a thread's row g (``row_base + g``) to its row ``mt * 16 + 8 h + g`` in the weights and in the
+        scales: constants, as ``row_base`` is a multiple of 16 * MT (of 32 with two groups), so the row stays in g's
+        16-row tile (``weight_tiles``), 32-row line group and 128-row block of scales (``scale_row``)."""
+        dr = mt * 16 + 8 * h
+        w = (mt * ROWS * (self.k // 2) + 8 * h * TILE_BYTES) if self.weight_tiles else dr * (self.k // 2)
+        return w, dr * 16
+
+    @cute.jit
+    def load_a(self, wbuf: cute.Tensor, sbuf: cute.Tensor, a_addr: Int64, s_addr: Int64,
+               slot: cutlass.Constexpr[int], kt: Int32):
+        """The base class's load, from row g's addresses and :meth:`row_offsets` (immediate offsets, no registers)."""
+        a_kt = a_addr + Int64(kt * self.kt_bytes)
+        s_kt = s_addr + Int64(kt * 1024)
+        for mt in cutlass.range_constexpr(self.row_tiles):
+            for h in cutlass.range_constexpr(2):
+                w_off, s_off = self.row_offsets(mt, h)
+                v = ptx.ld_global_v4(a_kt + Int64(w_off), self.l2_prefetch)
+                for i in cutlass.range_constexpr(4):
+                    wbuf[slot, mt, h, i] = v[i]
+                sbuf[slot, mt, h] = ptx.ld_global_u16(s_kt + Int64(s_off))
 
     @cute.jit
     def stage_b(self, x_addr: cute.Tensor, x_bytes: cute.Tensor, stage: Int32, st_off: Int32, kt: Int32,

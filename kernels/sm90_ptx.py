@@ -383,6 +383,11 @@ def st_global_v2_b32(addr: Int64, a: Int32, b: Int32, *, loc=None, ip=None) -> N
                     "st.global.v2.b32 [$0], {$1, $2};", "l,r,r", has_side_effects=True, loc=loc, ip=ip)
 
 
+def st_global_v4_b32(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), *(_i32(v, loc, ip) for v in (a, b, c, d))],
+                    "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", has_side_effects=True, loc=loc, ip=ip)
+
+
 def ld_global_v4_f32(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float32, Float32, Float32]:
     """16 bytes of float32 from a 16-aligned global address (L2-resident partials: ``.cg``). Pure: only
     for data no thread of the same launch writes."""

@@ -53,7 +53,8 @@ PDL = {"pdl": True, "pdl_prefetch": True, "l2_prefetch": 256}
     ("flash", 8, False, {"min_ctas": 2, "l1": {"k_warps": 2}, "l2": {"k_warps": 2}}, True),
     ("flash", 128, True, None, True),
     # one k-tile loop per MMA width (``min_tokens``), in steps of 16 and of 8
-    ("pro", 96, True, {"wg": {"min_tokens": 48}}, True),
+    ("pro", 96, True, {"wg": {"min_tokens": 48}}, True), ("pro", 80, True, {"wg": {"min_tokens": 48}}, True),
+    ("pro", 80, True, {"wg": {"min_tokens": 48}}, False),
     ("flash", 128, True, {"wg": {"min_tokens": 64, "width_step": 8}}, True)])
 def test_moe_kernels_compile_sm90a(model, tile_tokens, wgmma, tuning, tiles):
     h, i, experts = V4[model]
@@ -85,10 +86,14 @@ def test_wgmma_heuristics_and_bad_config():
         assert wgmma_shape(128, hidden, 132) == {"l2_ahead": 8, "prefetch_next": 132}
     # one warpgroup up to N = 96, except for layers as wide as V4-Pro's from N = 64 (two, as above 96)
     assert wgmma_shape(64, 4096) == {"warpgroups": 1, "min_ctas": 2, "l2_ahead": 8} == wgmma_shape(96, 4096)
-    assert wgmma_shape(64, 7168, 78) == {"l2_ahead": 8, "prefetch_next": 78} == wgmma_shape(96, 7168, 78)
+    # ... with two m64 groups each (256-row CTAs) up to N = 80
+    two_groups = {"m_tiles": 2, "depth": 2, "l2_ahead": 8, "prefetch_next": 78}
+    assert wgmma_shape(64, 7168, 78) == two_groups == wgmma_shape(80, 7168, 78)
+    assert wgmma_shape(96, 7168, 78) == {"l2_ahead": 8, "prefetch_next": 78}
     pro = Sm90NvFp4MoE.kernels(_Layer(7168, 3072, 384, 6, 10.0), 80, True)
     flash = Sm90NvFp4MoE.kernels(_Layer(4096, 2048, 256, 6, 10.0), 80, True)
     assert pro[1].wgs == pro[2].wgs == 2 and flash[1].wgs == flash[2].wgs == 1
+    assert pro[1].bm == pro[2].bm == 256 and pro[1].depth == 2 and flash[1].bm == 64
     # a shape whose rows do not fill 128-row CTAs keeps one row tile at any T
     odd = Sm90NvFp4MoE(hidden=192, intermediate=96, experts=8, top_k=2, swiglu_limit=None, max_tokens=64, device="cpu")
     assert {odd.config(t)[2] for t in range(1, 65)} == {1}
@@ -100,10 +105,14 @@ def test_wgmma_heuristics_and_bad_config():
     assert pick_wgmma_tile_tokens(8192, 6, 256) == (128, 32)  # experts overflow 128: their last tiles take any count
     layer = Sm90NvFp4MoE(hidden=7168, intermediate=3072, experts=384, top_k=6, swiglu_limit=10.0, max_tokens=4096,
                          device="cpu")
-    cfg = layer.config(4096)
-    assert (cfg.tile_tokens, cfg.wgmma, cfg.min_tokens) == (96, True, 48)
+    cfg = layer.config(4096)  # N = 96 taken down to 80 for two m64 groups a warpgroup (the experts above: two tiles)
+    assert (cfg.tile_tokens, cfg.wgmma, cfg.min_tokens) == (80, True, 48)
     _, l1, l2 = layer.kernels(*cfg)
-    assert l1.bn == l2.bn == 96 and l1.min_tokens == l2.min_tokens == 48 and l1.width_step == 16
+    assert l1.bn == l2.bn == 80 and l1.min_tokens == l2.min_tokens == 48 and l1.width_step == 16
+    assert l1.bm == l2.bm == 256 and not l2.ids_first
+    flash = Sm90NvFp4MoE(hidden=4096, intermediate=2048, experts=256, top_k=6, swiglu_limit=10.0, max_tokens=4096,
+                         device="cpu")
+    assert flash.config(4096).tile_tokens == 128 and flash.kernels(*flash.config(4096))[1].bm == 128
     forced = Sm90NvFp4MoE(hidden=7168, intermediate=3072, experts=384, top_k=6, swiglu_limit=10.0, max_tokens=4096,
                           device="cpu", tuning={"wgmma_tile_tokens": 80})
     assert forced.config(4096).tile_tokens == 80 and forced.kernels(*forced.config(4096))[1].min_tokens == 80
@@ -119,6 +128,10 @@ def test_wgmma_heuristics_and_bad_config():
         Sm90Nvfp4WgmmaGemm(m=192, k=128, mode="scatter")
     with pytest.raises(ValueError, match="stages"):
         Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", stages=2)
+    with pytest.raises(ValueError, match="m_tiles"):
+        Sm90Nvfp4WgmmaGemm(m=768, k=128, mode="scatter", m_tiles=3)
+    with pytest.raises(ValueError, match="256 rows"):
+        Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", m_tiles=2)
     with pytest.raises(ValueError, match="shared memory"):  # 8 x 32 KiB: the launch failed on an H200
         Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", tile_tokens=128, stages=8)
     assert Sm90Nvfp4WgmmaGemm(m=128, k=128, mode="scatter", tile_tokens=128, stages=6).smem_bytes == 6 * 32768 + 2048
@@ -190,6 +203,14 @@ def test_warmup_compiles_every_configuration_a_call_can_pick():
                              and l1.max_ctas == l2.max_ctas == (3 if cfg.direct and cfg.row_tiles == 1 else 0))
         for op in (l1, l2) if cfg.direct else (routing, l1, l2):
             assert any(key[1] == op.key() for key in cute_host._COMPILED), (cfg, type(op).__name__)
+    assert any(key[0] == "Sm90StagedOrder" for key in cute_host._COMPILED)  # the permute of x before a WGMMA L1
+
+
+def test_staged_order_kernel_compiles_sm90a():
+    from nvfp4_megamoe.kernels.sm90_k_order import Sm90StagedOrder
+
+    x = torch.empty(3, 256, dtype=torch.bfloat16)
+    assert compile_op(Sm90StagedOrder(), [x, torch.empty_like(x)]) is not None
 
 
 # the default direct L1 stages x in shared memory; x read from global memory instead, and L2 with two warps per row

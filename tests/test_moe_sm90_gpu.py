@@ -212,6 +212,23 @@ def test_moe_int32_ids_and_cuda_graph(tuning, t):
         assert _relerr(out, ref) <= 1e-2
 
 
+@pytest.mark.parametrize("t,kdim", [(1, 128), (37, 4096), (4095, 7168), (8192, 2048)])
+def test_staged_order_kernel_equals_to_order(t, kdim):
+    """The GPU permute of x into the "staged" K order gives to_order's bytes (random bits, poisoned output)."""
+    from nvfp4_megamoe.kernels.cute_host import launch
+    from nvfp4_megamoe.kernels.k_order import to_order
+    from nvfp4_megamoe.kernels.sm90_k_order import Sm90StagedOrder
+
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randint(-2 ** 15, 2 ** 15, (t, kdim), device="cuda", generator=gen, dtype=torch.int32)
+    x = x.to(torch.int16).view(torch.bfloat16)
+    out = torch.full((t + 1, kdim), float("nan"), device="cuda", dtype=torch.bfloat16)  # one row past the end
+    launch(Sm90StagedOrder(), [x, out[:t]])
+    torch.cuda.synchronize()
+    assert torch.equal(out[:t].view(torch.int16), to_order(x, "staged").view(torch.int16))
+    assert out[t].isnan().all()
+
+
 @pytest.mark.parametrize("n,kdim,t,subnormal", [(1024, 4096, 1, 0.02), (4096, 2048, 33, 0.02), (512, 1024, 9, 1.0)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_dense_linear(n, kdim, t, subnormal, out_dtype):
