@@ -217,7 +217,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         # a warp owns MT adjacent 16-row groups; m64 MMA mt of a warpgroup takes group mt of each of its 4 warps
         row_base = bx * self.bm + (wg * 4 + warp) * 16 * MT
 
-        # --- weights: per-thread addresses and register pipeline (as the mma.sync kernel, one row tile) ---
+        # --- weights: per-thread addresses and register pipeline (as the mma.sync kernel, MT row tiles) ---
         w_base = self.weight_base(mW, expert, c)
         s_base = self.scale_base(mS, expert, c)
         # row g's addresses: the thread's other rows are constant offsets on (``row_offsets``)
@@ -301,12 +301,12 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
                                                 evict_last=False)
                     elif const_expr(self.prefetch_next):
                         if far < 2 * n_kt:  # the successor's first k-tiles: its rows as this thread's (rebuilt here)
-                            w_base = self.weight_base(mW, succ[0], c)
+                            succ_row = self.weight_row(self.weight_base(mW, succ[0], c),
+                                                       succ[1] * self.bm + row_base % self.bm + g)
                             for mt in cutlass.range_constexpr(MT):
                                 for h in cutlass.range_constexpr(2):
-                                    wr = succ[1] * self.bm + row_base % self.bm + mt * 16 + g + h * 8
-                                    ptx.prefetch_l2(self.weight_row(w_base, wr) + Int64((far - n_kt) * self.kt_bytes),
-                                                    evict_last=False)
+                                    ptx.prefetch_l2(succ_row + Int64((far - n_kt) * self.kt_bytes
+                                                                     + self.row_offsets(mt, h)[0]), evict_last=False)
                 cute.arch.cp_async_wait_group(S - 3)      # this thread's copies of B(kt) landed
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier()                        # ... everyone's; and B(kt - 2)'s stage is free
