@@ -1,6 +1,6 @@
 """The permute of activations into the ``"staged"`` K order (``k_order``) on the GPU, before the WGMMA L1.
 
-:func:`k_order.to_order` as a torch copy through a 6-axis permuted view took 90 us for V4-Pro's x at T = 4096
+:func:`k_order.to_order` as a torch copy through a 6-axis permuted view took 89 us for V4-Pro's x at T = 4096
 (117 MB moved) on an H200 after an L2 flush, this kernel 51 us (a plain copy of x 32 us; two to eight quarters a
 thread, or 128-thread CTAs, measured the same), the whole time before L1 (the routing runs beside it). A thread moves one
 quarter of a 128-element block: with the block split as k = 32 c + 8 w + 4 e + 2 u + hi, thread (block, w) loads the

@@ -298,8 +298,8 @@ class Sm90NvFp4MoE:
                 _compile(routing, [ids, wts, *common, self.rank[:p]])
             _compile(l1, [w, sc, torch.empty(2, **f32), x, *pairs, self.hbuf[:p], out])
             _compile(l2, [w, sc, torch.empty(1, **f32), self.hbuf[:p], *pairs, out, out])
-            if cfg.wgmma:
-                _compile(self.permute, [x, self.xbuf[:1]])
+        if any(cfg.wgmma for cfg in configs):  # one permute kernel serves every WGMMA configuration
+            _compile(self.permute, [x, self.xbuf[:1]])
         return len(configs)
 
     def check_weights(self, w13, w13_scale, w13_alpha, w2, w2_scale, w2_alpha) -> None:
