@@ -38,18 +38,12 @@ before that (4-8 % faster CSA from B = 32, ``docs/benchmarks.md``); a barrier pe
 chunk (after a proxy fence: ``wgmma`` reads shared memory through the async proxy) and frees the slot
 the previous chunk used.
 
-Small splits, one cluster (:func:`pick_cluster`): when a head block has at most 4 splits in a small
-grid, its splits run as one thread-block cluster and merge their O through distributed shared memory
+Small splits, one cluster (``sm90_heuristics.pick_cluster``): when a head block has at most 4 splits in a
+small grid, its splits run as one thread-block cluster and merge their O through distributed shared memory
 (:meth:`Sm90DecodeAttention.cluster_merge`), so no partial goes through HBM and the combine kernel is
-not launched: 6-12 % faster at 3 splits (context 4K, B = 1 and 8), 3-27 % with 2 splits (V4-Pro,
-B = 32). Larger clusters, or 4-CTA clusters in a full grid, were slower and are not picked.
-
-Measured on an H200 (``docs/benchmarks.md``, variants in ``docs/attention_variants.json``): chunk 64
-with 2 stages is the default; issuing S of the next chunk before this chunk's softmax (chunk 32, 4
-stages: the only ring with room for it) gained at most 2 % and lost up to 10 % on CSA, and each
-warpgroup computing the whole S (no exchange) was 1-9 % slower, so neither is kept.
-:func:`pick_splits` keeps the split kernel to at most one wave (one CTA per SM) and does not split once
-the requests alone fill the SMs.
+not launched. ``sm90_heuristics.pick_splits`` keeps the split kernel to at most one wave (one CTA per SM) and
+does not split once the requests alone fill the SMs. The pipeline is chunks of 64 entries in a ring of 2;
+the variants measured and not kept are in ``docs/design/decode_attention.md``.
 """
 
 from __future__ import annotations
@@ -64,21 +58,21 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import sm90_ptx as ptx
 from .sm90_ptx import LOG2E, SMEM_LIMIT
 from .cute_host import expect as _expect, launch as _launch
+from .sm90_config import ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA
+from .sm90_heuristics import pick_cluster, pick_splits
 
 HEAD_DIM = 512
-HEADS_PER_CTA = 64
+HEADS_PER_CTA = ATTENTION_HEADS_PER_CTA  # one wgmma m64 tile of heads
 ROW = HEAD_DIM * 2                     # bytes per KV / Q row
 THREADS = 256
 ATOM = 128                             # bytes of one swizzled row (64 BF16 dims)
 BLOCKS = ROW // ATOM                   # 8 column blocks per 512-dim row
 Q_BLOCK = HEADS_PER_CTA * ATOM         # 8 KB
-CHUNKS = (16, 32, 64)
-CHUNK = 64                             # the default chunk
+CHUNK = ATTENTION_CHUNK                # KV entries per pipeline step
+STAGES = 2                             # KV chunks in the ring (one in flight while one is computed)
 NEG_BIG = -1.0e30
 MODES = ("window", "indexed", "dense")
-CLUSTERS = (1, 2, 4, 8, 16)            # 8 and 16: the explicit ``cluster`` option only (measured slower)
-MAX_CLUSTER = 4                        # the largest cluster pick_cluster picks by default (measured)
-CLUSTER_GRID = 64                      # CTAs up to which clusters of more than two CTAs are picked (measured)
+CLUSTERS = (1, 2, 4)                   # CTAs of a cluster that merges a head block's splits
 O_ROW = HEAD_DIM * 4                   # bytes of one head's float32 O row in the cluster exchange
 GRANULES = HEADS_PER_CTA * HEAD_DIM // 4   # 16-byte float32 granules of a CTA's O tile
 
@@ -88,11 +82,6 @@ def smem_bytes(chunk: int, stages: int) -> int:
     return BLOCKS * Q_BLOCK + stages * chunk * ROW + 2 * HEADS_PER_CTA * chunk * 4 + stages * chunk * 4 + 1024
 
 
-def cluster_fits(chunk: int, stages: int) -> bool:
-    """Whether the Q and KV buffers of a pipeline hold the float32 O tile a cluster merge exchanges."""
-    return BLOCKS * Q_BLOCK + stages * chunk * ROW >= HEADS_PER_CTA * O_ROW
-
-
 class Sm90DecodeAttention:
     """One compiled configuration of the split kernel.
 
@@ -100,8 +89,6 @@ class Sm90DecodeAttention:
         mode: ``"window"`` (no compressed entries), ``"indexed"`` (CSA: ``indices`` [B, K], -1 pads)
             or ``"dense"`` (HCA: all N entries of ``kv_compressed``).
         scale: logit scale (512**-0.5 in V4), folded into the kernel with log2(e).
-        chunk: KV entries per pipeline step (16, 32 or 64).
-        stages: KV buffers in the ring (``stages - 1`` chunks in flight while one is computed).
         cluster: 1, or the splits of a head block as one cluster that merges them in distributed shared
             memory (:meth:`cluster_merge`; the grid's x is ``cluster``, ``ml`` has S = 1, ``o_part`` is not
             touched).
@@ -113,19 +100,17 @@ class Sm90DecodeAttention:
     are placeholders (any tensors of those dtypes and ranks).
     """
 
-    def __init__(self, *, mode: str, scale: float, chunk: int = CHUNK, stages: int = 2, cluster: int = 1):
+    @staticmethod
+    def can_implement(heads: int, head_dim: int) -> bool:
+        """Whether the kernel takes a model's attention: 512-dim heads, a multiple of 64 of them."""
+        return head_dim == HEAD_DIM and heads > 0 and heads % HEADS_PER_CTA == 0
+
+    def __init__(self, *, mode: str, scale: float, cluster: int = 1):
+        chunk, stages = CHUNK, STAGES
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if chunk not in CHUNKS:
-            raise ValueError(f"chunk must be one of {CHUNKS}, got {chunk}")
-        if stages < 2 or smem_bytes(chunk, stages) > SMEM_LIMIT:
-            raise ValueError(f"stages={stages} with chunk={chunk} needs {smem_bytes(chunk, stages)} B of shared "
-                             f"memory (at least 2 stages, at most {SMEM_LIMIT} B)")
         if cluster not in CLUSTERS:
             raise ValueError(f"cluster must be one of {CLUSTERS}, got {cluster}")
-        if cluster > 1 and not cluster_fits(chunk, stages):
-            raise ValueError(f"cluster={cluster} exchanges O through the Q and KV buffers: chunk={chunk} x "
-                             f"stages={stages} leaves them smaller than the {HEADS_PER_CTA * O_ROW} B O tile")
         self.mode = mode
         self.cluster = cluster
         self.scale = float(scale)
@@ -144,7 +129,7 @@ class Sm90DecodeAttention:
         self.upt = 64 // self.tpr                          # 16-byte pieces per loader thread
 
     def key(self) -> tuple:
-        return (self.mode, self.scale, self.chunk, self.stages, self.cluster)
+        return (self.mode, self.scale, self.chunk, self.stages, self.cluster)  # chunk, stages: fixed (compile key)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKvw: cute.Tensor, mWlen: cute.Tensor, mKvc: cute.Tensor,
@@ -590,35 +575,8 @@ class Sm90DecodeAttentionCombine:
 _WORKSPACE: dict[tuple, tuple] = {}
 
 
-def pick_splits(batch: int, heads: int, entries: int, sms: int = 132, chunk: int = CHUNK) -> int:
-    """Splits per (request, head block): at most one wave of CTAs (one CTA per SM), no empty split;
-    no split at all once the requests alone fill the SMs (no partials, no combine)."""
-    n_chunks = max(1, -(-entries // chunk))
-    ctas = batch * (heads // HEADS_PER_CTA)
-    splits = max(1, min(n_chunks, sms // ctas))
-    cps = -(-n_chunks // splits)
-    return -(-n_chunks // cps)   # the fewest splits with that longest split: fewer partials to merge
-
-
-def pick_cluster(batch: int, heads: int, entries: int, sms: int = 132, chunk: int = CHUNK,
-                 max_cluster: int = MAX_CLUSTER) -> int:
-    """Cluster size for :func:`pick_splits`' splits (1: no cluster, partials through HBM and the combine
-    kernel). A cluster is all the splits of a head block, rounded up to a power of two (the extra CTAs
-    hold no chunk and share the merge), at most ``max_cluster``; clusters of more than two CTAs only
-    while the grid has at most ``CLUSTER_GRID`` CTAs. Measured on an H200 (``docs/benchmarks.md``): 4-CTA
-    clusters in a 128-CTA grid ran about 1.8x slower (the GPCs did not hold all the clusters at once),
-    and a cluster merge of more than 4 splits was slower than the combine kernel."""
-    splits = pick_splits(batch, heads, entries, sms, chunk)
-    ctas = batch * (heads // HEADS_PER_CTA)
-    cl = 1 << (splits - 1).bit_length()
-    if splits == 1 or cl > max_cluster or cl * ctas > sms or (cl > 2 and cl * ctas > CLUSTER_GRID):
-        return 1
-    return cl
-
-
-def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, scale: float, *,
-                     out=None, splits: int | None = None, chunk: int = CHUNK, stages: int = 2,
-                     cluster: int | None = None):
+def sm90_decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, scale: float, *,
+                          out=None, splits: int | None = None, cluster: int | None = None):
     """One decode step of DeepSeek-V4 attention on Hopper (sm_90a); returns BF16 ``out`` [B, H, 512].
 
     Args (contract and semantics: ``decode_attention_reference``; everything contiguous, on one GPU):
@@ -630,12 +588,10 @@ def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, sca
             to attend to all N entries (HCA).
         sink: float32 [H]. scale: the logit scale (512**-0.5).
         out: optional bf16 [B, H, 512] to write into. splits: override the flash-decoding split count.
-        chunk, stages: the split kernel's pipeline (:class:`Sm90DecodeAttention`).
         cluster: the splits of a head block as one cluster of CTAs that merge through distributed
-            shared memory (a power of two, then ``splits == cluster``, or 1: each split's partial goes
-            through HBM to the combine kernel). Default: :func:`pick_cluster` (when ``splits`` is not
-            given and the pipeline's buffers hold the O tile), else 1. ``cluster`` alone sets the split
-            count to it.
+            shared memory (``CLUSTERS``, then ``splits == cluster``, or 1: each split's partial goes
+            through HBM to the combine kernel). Default: ``sm90_heuristics.pick_cluster`` when ``splits``
+            is not given, else 1. ``cluster`` alone sets the split count to it.
 
     No host sync and no allocation once a shape has been seen (split workspaces are cached per
     shape), so the call is CUDA-graph capturable after one warm-up call. The output is not inverse-RoPE'd.
@@ -668,15 +624,15 @@ def decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, sca
             "out must be contiguous bf16 [B, H, 512]")
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     if splits is None:
-        splits = pick_splits(b, h, w + k, sms, chunk)
-        if cluster is None and cluster_fits(chunk, stages):
-            cluster = pick_cluster(b, h, w + k, sms, chunk)
+        splits = pick_splits(b, h, w + k, sms)
+        if cluster is None:
+            cluster = pick_cluster(b, h, w + k, sms)
         if cluster is not None and cluster > 1:
             splits = cluster
     cluster = 1 if cluster is None else cluster
     _expect(1 <= splits <= MAX_SPLITS, f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     _expect(cluster == 1 or splits == cluster, f"a cluster holds all the splits: splits={splits}, cluster={cluster}")
-    kernel = Sm90DecodeAttention(mode=mode, scale=scale, chunk=chunk, stages=stages, cluster=cluster)
+    kernel = Sm90DecodeAttention(mode=mode, scale=scale, cluster=cluster)
     parts = splits // cluster          # partials through HBM to the combine kernel (1: none)
     wkey = (q.device, b, h, parts)
     if wkey not in _WORKSPACE:

@@ -45,8 +45,13 @@ class Sm90HcWeights:
     [N, hc], ``post`` f32 [N, hc], ``comb`` f32 [N, hc*hc] (row-major hc x hc), all contiguous.
     """
 
+    @staticmethod
+    def can_implement(hc: int) -> bool:
+        """Whether the kernel unrolls ``hc`` streams per token."""
+        return 1 <= hc <= MAX_HC
+
     def __init__(self, *, hc: int, iters: int, hc_eps: float):
-        if not 1 <= hc <= MAX_HC or iters < 1:
+        if not self.can_implement(hc) or iters < 1:
             raise ValueError(f"hc must be in [1, {MAX_HC}] and iters >= 1, got hc={hc}, iters={iters}")
         self.hc, self.iters, self.eps = hc, iters, float(hc_eps)
 
@@ -106,7 +111,7 @@ class Sm90HcWeights:
         return [[c[i][j] / dens[j] for j in range(hc)] for i in range(hc)]
 
 
-def hc_weights_sm90(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc: int, iters: int,
+def sm90_hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc: int, iters: int,
                     hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc_reference.hc_weights`` on the GPU: mixes f32 [..., (2+hc)*hc] -> (pre [..., hc], post
     [..., hc], comb [..., hc, hc]) in one launch."""

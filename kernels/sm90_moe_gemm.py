@@ -1,4 +1,5 @@
-"""SM90 grouped NVFP4 x BF16 GEMM (swap-AB) with the MoE epilogues: SwiGLU (L1), routed scatter-add (L2), store (dense).
+"""SM90 grouped NVFP4 x BF16 GEMM on warp-level MMAs (``mma.sync``, swap-AB) with the MoE epilogues: SwiGLU (L1),
+routed scatter-add (L2), store (dense). The decode and mid-size path of the MoE and the dense NVFP4 linear.
 
 Operand roles. The packed NVFP4 weights are the MMA **A** operand (M = weight rows): each thread
 loads its rows' E2M1 bytes straight from global memory (16 B per row per 128-K tile), decodes them
@@ -24,37 +25,35 @@ thread holding accumulator row r (gate j) also holds r+8 (up j), so SwiGLU is th
 Work items. ``tiles`` int32 [max_tiles, 3] = (expert, begin, end) over the expert-sorted pair
 list (built on the GPU by ``sm90_moe_routing``), ``num_tiles`` int32 [1]; grid = (M / BM,
 max_tiles); CTAs past ``num_tiles`` exit at once. Dense mode (one group) tiles the tokens itself.
+Direct mode (``GemmProblem.direct_top_k``): work tile ``p`` is routed pair ``p`` alone, ``tiles`` is
+``topk_ids`` viewed [P, 1] (int32 or int64), the weights ``topk_weights`` [P] in pair order, token ``p // k``.
 
-Epilogues (``mode``):
+Epilogues (``mode``, ``sm90_nvfp4_gemm_parts``):
 * ``"swiglu"``: ``h[p, j] = bf16(silu(min(g, L)) * clamp(u, -L, L))`` for sorted pair p (row p of ``h``
   in ``h_order``, the K order the L2 kernel reads), with
   ``g, u = alpha[e, 0] * acc_r, alpha[e, 1] * acc_{r+8}`` (a thread's rows r and r+8 are a
   gate row and its up row thanks to the interleave); B rows are gathered as ``x[token_of[p]]``.
 * ``"scatter"``: ``out[token_of[p], r] += alpha * weight[p] * acc`` (fp32 ``red.add``; ``out``
-  must be zero first); B rows are ``h[p]``.
+  must be zero first: the L1 kernel zeroes it); B rows are ``h[p]``.
 * ``"store"``: ``out[t, r] = alpha * acc`` (f32 or bf16), B rows are ``x[t]``, no routing.
+
+The configuration is a ``GemmProblem`` and an ``MmaTiling`` (``sm90_config``, whose docstrings say what each field
+does), picked by ``sm90_heuristics``; :meth:`Sm90Nvfp4MmaGemm.can_implement` says whether a pair is valid.
 """
 
 from __future__ import annotations
-
-import math
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from . import k_order
 from . import e2m1_registers as e2m1r
 from . import sm90_ptx as ptx
-from .row_tiles import ROWS, TILE_BYTES
-from .swizzle import swizzled_nbytes
+from .cute_host import expect
+from .sm90_config import K_TILE, GemmProblem, MmaTiling
+from .sm90_nvfp4_gemm_parts import BC_X_LOG2, Nvfp4GemmParts, problem_violations
 
-K_TILE = 128  # logical K per tile: 16 bytes of one weight row per lane, 4 lanes per row
-MODES = ("swiglu", "scatter", "store")
-# block_columns: activations ride the MMA as x * 2**BC_X_LOG2, so that products with the unscaled decoded weights
-# (v * 2**-126) are normal floats for 2**-62 < |x| < 2**64; x * 2**64 is a BF16 bit pattern:
-BC_X_LOG2 = 64
-_BC_X_SCALE_BF16X2 = 0x5F805F80
+_BC_X_SCALE_BF16X2 = 0x5F805F80  # 2**BC_X_LOG2 as a pair of BF16
 # stage_x: the staged row's 16-byte chunk i sits at byte 16 * (i + i // 8) (16 padding bytes after every 128), so
 # that the 4 lane quads' 16-byte reads of one k-tile fall on distinct banks; a k-tile (16 chunks) spans 288 bytes
 _STAGED_KTILE_BYTES = 288
@@ -62,6 +61,7 @@ _STAGED_KTILE_BYTES = 288
 # allocation so that one more than the cap does not fit
 SM_SMEM_BYTES = 228 * 1024
 CTA_SMEM_RESERVED = 1024
+WARPS = 4  # row groups (warps) per CTA; each owns 16 * row_tiles weight rows
 
 
 def lane_words(lo: Int32, hi: Int32) -> tuple[Int32, Int32]:
@@ -70,132 +70,86 @@ def lane_words(lo: Int32, hi: Int32) -> tuple[Int32, Int32]:
     return ptx.prmt(lo, hi, 0x5410), ptx.prmt(lo, hi, 0x7632)
 
 
-class Sm90Nvfp4GroupedGemm:
-    """One compiled configuration: static M, K, mode, token tile and CTA shape.
+def mma_violations(problem: GemmProblem, tiling: MmaTiling) -> list[str]:
+    """What in (``problem``, ``tiling``) the mma.sync GEMM does not take (empty: it takes it)."""
+    bad = problem_violations(problem)
+    t, direct = tiling, problem.direct_top_k > 0
+    k_tiles = problem.k // K_TILE
+    if t.tile_tokens % 8 or not 8 <= t.tile_tokens <= 64:
+        bad.append(f"tile_tokens must be a multiple of 8 in [8, 64], got {t.tile_tokens}")
+    if t.row_tiles not in (1, 2):
+        bad.append(f"row_tiles must be 1 or 2, got {t.row_tiles}")
+    elif problem.m % (WARPS * 16 * t.row_tiles):
+        bad.append(f"M={problem.m} must be a multiple of the CTA's {WARPS * 16 * t.row_tiles} rows")
+    if problem.b_order not in ("logical", "lane"):
+        bad.append(f"b_order must be 'logical' or 'lane', got {problem.b_order!r}")
+    if t.k_warps not in (1, 2) or (t.k_warps == 2 and not (t.tile_tokens == 8 and problem.mode != "store"
+                                                            and k_tiles % 2 == 0)):
+        bad.append(f"k_warps must be 1, or 2 with 8-token tiles of an MoE mode and an even number of k-tiles; "
+                   f"got {t.k_warps}")
+    elif t.depth not in (1, 2, 4) or k_tiles // t.k_warps % t.depth:
+        bad.append(f"depth must be 1, 2 or 4 and divide the {k_tiles // t.k_warps} k-tiles a warp walks, "
+                   f"got {t.depth}")
+    if t.interleave_rows and t.row_tiles != 2:
+        bad.append("interleave_rows needs two row tiles")
+    if t.block_columns and not (direct and t.tile_tokens == 8):
+        bad.append("block_columns needs one-token tiles: direct_top_k > 0, tile_tokens 8")
+    if t.stage_x and not (direct and problem.mode == "swiglu" and problem.b_order == "logical"):
+        bad.append("stage_x is for a direct 'swiglu' GEMM reading logical-order x")
+    if t.pdl and not direct:
+        bad.append("pdl is for the direct MoE chain (direct_top_k > 0)")
+    if t.max_ctas < 0:
+        bad.append(f"max_ctas must be >= 0, got {t.max_ctas}")
+    return bad
 
-    Args:
-        m: weight rows per expert (2I for L1, H for L2, out features for dense).
-        k: reduction size (H for L1, I for L2); a multiple of 128 * depth.
-        mode: ``"swiglu"``, ``"scatter"`` or ``"store"`` (module docstring).
-        tile_tokens: tokens per work item, a multiple of 8 (<= 64).
-        swiglu_limit: the clamp ``L`` of ``"swiglu"`` (None: no clamp).
-        warps: warps per CTA; each owns ``16 * row_tiles`` weight rows.
-        depth: k-tiles of weight loads kept in flight per thread.
-        b_depth: k-tiles of activation loads in flight (0: loaded when used; None: 2 for 8-token tiles).
-        split_k: CTAs sharing one tile's K (``"scatter"`` only: its atomics already add partial sums).
-        out_bf16: ``"store"`` writes BF16 instead of float32.
-        l2_prefetch: bytes the L2 fetches around each weight load (0, 64, 128, 256; ``sm90_ptx.ld_global_v4``).
-        pdl: programmatic dependent launch. The kernel may start while the previous kernel of the stream
-            still runs (``griddepcontrol``): ``"swiglu"`` zeroes ``out`` first, then waits for the routing;
-            ``"scatter"`` reads its tile and starts its weight loads, then waits for L1's ``h``. Both let
-            their own dependent start early. Only for the MoE chain routing -> L1 -> L2 (``sm90_moe``).
-        pdl_prefetch: with ``pdl``, ``"scatter"`` also asks the L2 for the rest of its weight slice
-            before waiting, so the weights stream in while L1 finishes.
-        direct_top_k: ``"swiglu"``/``"scatter"`` without the routing kernel (``k`` > 0): work tile ``p`` is
-            routed pair ``p`` alone, ``tiles`` is ``topk_ids`` viewed [P, 1] (int32 or int64), the
-            weights ``topk_weights`` [P] in pair order, token ``p // k`` (``token_of`` and
-            ``num_tiles`` unused). For one token, whose k pairs go to k distinct experts, this reads
-            each expert once, like the sorted tiles, and saves the routing launch; an expert repeated
-            across tokens is read once per pair (the repeats mostly from L2).
-        b_order: K order of the activation rows, ``"logical"`` or ``"lane"`` (``k_order``).
-        h_order: ``"swiglu"``: K order ``h`` is written in (``k_order.ORDERS``).
-        interleave_rows: decode every row tile of a k-tile first and interleave their MMAs (else one row tile
-            after the other); the results are the same, only the schedule differs (``mma_ktile``).
-        block_columns: one-token tiles (``direct_top_k`` only) use the MMA's 8 columns for the k-tile's 8 scale
-            blocks instead of 8 tokens, so the block scales are applied to fp32 partial sums, 4 multiply-adds a
-            k-tile, instead of to every decoded weight word, 32 BF16 multiplies (``mma_ktile``).
-            ``"swiglu"`` scales ``x`` by ``2**BC_X_LOG2`` in registers and writes ``h`` scaled so, which is
-            what ``"scatter"`` expects: both GEMMs of a layer must agree. The ``token_of`` operand (unused by
-            ``direct_top_k``) must then hold at least ``2 * k`` zero bytes: lanes read them in place of the
-            activations of the columns they do not feed.
-        weight_tiles: ``w`` is in Hopper row tiles (``row_tiles``, converter ``--target sm90``), not row-major.
-        k_warps: warps that share one row group's K inside the CTA (1 or 2; MoE modes with ``tile_tokens`` 8, else 1):
-            each sums its own k-tiles, so a CTA has ``warps * k_warps`` warps and each walks ``1 / k_warps`` of K.
-            More warps per SM hide more latency where a call has few rows (a decode call's few experts). ``"scatter"``
-            adds each warp's partial sums to ``out`` itself; ``"swiglu"`` first sums them in shared memory.
-        min_ctas: CTAs per SM the launch asks registers for (0: none; default 3 with ``stage_x`` or ``k_warps`` 2,
-            see ``occupancy``).
-        max_ctas: CTAs per SM at most (0: no cap), by padding the CTA's shared memory (and asking for the largest
-            shared-memory carveout): so that a grid launched early (``pdl``) spreads over the SMs as its
-            predecessor's CTAs leave instead of filling the first SMs that free up.
-        stage_x: ``"swiglu"`` with ``direct_top_k`` only: the CTA first copies its token's ``x`` row (logical order)
-            into shared memory in the ``"lane"`` K order (and, with ``block_columns``, scaled by ``2**BC_X_LOG2``),
-            so the k-tile loop reads activation words ready for the MMA: no ``prmt`` and no scaling per k-tile
-            and warp, once per CTA instead.
+
+class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
+    """One compiled configuration of the mma.sync grouped GEMM (module docstring): ``problem`` and ``tiling``.
+
+    Launched as ``fn(w, s, alpha, x, token_of, weight_of, tiles, num_tiles, out, zero, stream)`` (``cute_host``);
+    ``zero`` is the float32 output an L1 (``"swiglu"``) kernel zeroes for the L2 that follows (``out`` of L2).
     """
 
-    def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 8, swiglu_limit: float | None = None,
-                 warps: int = 4, row_tiles: int = 1, depth: int = 4, b_depth: int | None = None,
-                 split_k: int = 1, out_bf16: bool = False, l2_prefetch: int = 0, pdl: bool = False,
-                 pdl_prefetch: bool = False, direct_top_k: int = 0, b_order: str = "logical",
-                 h_order: str = "logical", interleave_rows: bool = False, block_columns: bool = False,
-                 weight_tiles: bool = False, stage_x: bool = False, k_warps: int = 1, min_ctas: int | None = None,
-                 max_ctas: int = 0):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if tile_tokens % 8 or not 8 <= tile_tokens <= 64:
-            raise ValueError(f"tile_tokens must be a multiple of 8 in [8, 64], got {tile_tokens}")
-        self.m, self.k, self.mode = m, k, mode
-        self.bn = tile_tokens
-        self.nb = tile_tokens // 8
-        self.warps, self.row_tiles = warps, row_tiles
-        self.bm = warps * 16 * row_tiles
-        self.split_k = split_k if mode == "scatter" and (k // K_TILE) % split_k == 0 else 1
-        if k_warps not in (1, 2):
-            raise ValueError(f"k_warps must be 1 or 2, got {k_warps}")
-        self.k_warps = k_warps if self.nb == 1 and mode != "store" and (k // K_TILE // self.split_k) % k_warps == 0 else 1
-        self.threads = warps * self.k_warps * 32
-        self.n_kt = k // K_TILE // self.split_k // self.k_warps  # k-tiles per warp
-        self.depth = max(d for d in (1, 2, 4, depth) if d <= depth and self.n_kt % d == 0)
-        if m % self.bm:
-            raise ValueError(f"M={m} must be a multiple of the CTA's {self.bm} rows")
-        if k % K_TILE:
-            raise ValueError(f"K={k} must be a multiple of {K_TILE}")
-        self.swiglu_limit = swiglu_limit
-        self.out_bf16 = out_bf16
-        if b_order not in ("logical", "lane") or h_order not in k_order.ORDERS:
-            raise ValueError(f"b_order must be 'logical' or 'lane' and h_order one of {k_order.ORDERS}, "
-                             f"got {b_order!r}, {h_order!r}")
-        self.b_order, self.h_order = b_order, h_order
-        self.interleave_rows = interleave_rows and row_tiles > 1
-        if l2_prefetch not in ptx.L2_PREFETCH_BYTES:
-            raise ValueError(f"l2_prefetch must be one of {ptx.L2_PREFETCH_BYTES}, got {l2_prefetch}")
-        self.l2_prefetch = l2_prefetch
-        self.direct_top_k = direct_top_k if mode != "store" else 0
-        # PDL orders L1 after the routing kernel. A direct L1 follows whatever ran before, which may still read the
-        # memory of ``out`` that it zeroes: it is not launched so, but lets L2 (PDL) launch early all the same
-        self.pdl = pdl and mode != "store" and not (self.direct_top_k and mode == "swiglu")
-        self.early_dependents = pdl and bool(self.direct_top_k) and mode == "swiglu"
-        self.pdl_prefetch = pdl_prefetch and self.pdl and mode == "scatter"
-        self.scale_bytes = swizzled_nbytes(m, k // 16)  # per expert
-        self.kb4 = math.ceil(k // 16 / 4)  # 512-byte scale atoms per 128 rows
-        self.block_columns = block_columns
-        self.weight_tiles = weight_tiles
-        if block_columns and not (self.direct_top_k and self.nb == 1 and self.split_k == 1):
-            raise ValueError("block_columns needs one-token tiles: direct_top_k > 0, tile_tokens 8, split_k 1")
-        self.stage_x = stage_x and mode == "swiglu" and self.direct_top_k > 0 and b_order == "logical"
-        self.min_ctas = (3 if self.stage_x or self.k_warps > 1 else 0) if min_ctas is None else min_ctas
-        if max_ctas < 0:
-            raise ValueError(f"max_ctas must be >= 0, got {max_ctas}")
-        self.max_ctas = max_ctas
+    @staticmethod
+    def can_implement(problem: GemmProblem, tiling: MmaTiling) -> bool:
+        return not mma_violations(problem, tiling)
+
+    def __init__(self, problem: GemmProblem, tiling: MmaTiling):
+        bad = mma_violations(problem, tiling)
+        expect(not bad, f"mma.sync NVFP4 GEMM {problem}, {tiling}: " + "; ".join(bad))
+        self.set_problem(problem)
+        self.tiling = tiling
+        self.bn = tiling.tile_tokens
+        self.nb = tiling.tile_tokens // 8
+        self.warps, self.row_tiles = WARPS, tiling.row_tiles
+        self.bm = WARPS * 16 * tiling.row_tiles
+        self.split_k = 1
+        self.k_warps = tiling.k_warps
+        self.threads = WARPS * self.k_warps * 32
+        self.n_kt = problem.k // K_TILE // self.k_warps  # k-tiles per warp
+        self.depth = tiling.depth
+        self.interleave_rows = tiling.interleave_rows
+        self.l2_prefetch = 0
+        # L2 of the direct chain waits for L1's h; L1 lets L2 launch at once (it zeroes out itself, and follows
+        # whatever ran before, which may still read that memory, so it is not launched early itself)
+        self.pdl = tiling.pdl and problem.mode == "scatter"
+        self.early_dependents = tiling.pdl and problem.mode == "swiglu"
+        self.pdl_prefetch = False
+        self.block_columns = tiling.block_columns
+        self.stage_x = tiling.stage_x
+        self.min_ctas = 3 if self.stage_x or self.k_warps > 1 else 0
+        self.max_ctas = tiling.max_ctas
         # the K order of the activation words the MMAs take (staged x is in the "lane" order)
-        self.read_order = "lane" if self.stage_x else b_order
+        self.read_order = "lane" if self.stage_x else problem.b_order
         # the decoded weights are v * 2**-126 unscaled in this mode; x * 2**BC_X_LOG2 keeps the products normal
-        self.epi_scale = float(2 ** (126 - BC_X_LOG2 if block_columns else e2m1r.EPILOGUE_LOG2))
+        self.epi_scale = float(2 ** (126 - BC_X_LOG2 if self.block_columns else e2m1r.EPILOGUE_LOG2))
         # activations ride the register pipeline too (two k-tiles ahead) when they are few
-        if b_depth is None:
-            b_depth = 2 if self.nb == 1 and not self.stage_x else 0
-        if b_depth and self.depth % b_depth:
-            b_depth = 0
-        self.b_depth = b_depth
+        b_depth = 2 if self.nb == 1 and not self.stage_x else 0
+        self.b_depth = 0 if b_depth and self.depth % b_depth else b_depth
         self.ids_first = True  # the scatter epilogue loads every column's token and weight first (``epilogue``)
 
     def key(self) -> tuple:
-        return (self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.warps, self.row_tiles, self.depth,
-                self.b_depth, self.split_k, self.out_bf16, self.l2_prefetch, self.pdl, self.pdl_prefetch,
-                self.early_dependents,
-                self.direct_top_k, self.b_order, self.h_order, self.interleave_rows, self.block_columns,
-                self.weight_tiles, self.stage_x, self.k_warps, self.min_ctas, self.max_ctas)
+        return (self.problem, self.tiling)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -249,26 +203,6 @@ class Sm90Nvfp4GroupedGemm:
         if live != 0:
             self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx,
                       (bz * self.k_warps + kpart) * self.n_kt, warp, kpart, g, c)
-
-    @cute.jit
-    def token_of(self, mTok: cute.Tensor, p: Int32) -> Int32:
-        """The token of sorted pair ``p`` (direct mode: pairs in [T, k] order)."""
-        tok = p
-        if const_expr(self.direct_top_k > 0):
-            tok = p // self.direct_top_k
-        else:
-            tok = mTok[p]
-        return tok
-
-    @cute.jit
-    def zero_output(self, mZero: cute.Tensor, bx: Int32, by: Int32, tidx: Int32):
-        """Zero the float32 output the L2 scatter accumulates into, spread over the whole L1 grid (saves a
-        memset launch). L1 kernels only: the L2 launch that follows is ordered after them."""
-        gx, gy, _ = cute.arch.grid_dim()
-        n16 = mZero.shape[0] * mZero.shape[1] // 4
-        zbase = mZero.iterator.toint()
-        for q in cutlass.range((by * gx + bx) * self.threads + tidx, n16, gx * gy * self.threads, unroll=1):
-            ptx.st_global_v4_zero(zbase + Int64(q) * 16)
 
     @cute.jit
     def tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,
@@ -425,41 +359,11 @@ class Sm90Nvfp4GroupedGemm:
             used = max(used, SM_SMEM_BYTES // (self.max_ctas + 1) - CTA_SMEM_RESERVED + 128)
         return used
 
-    @property
-    def kt_bytes(self) -> int:
-        """Bytes from one k-tile of a weight row to the next (``weight_tiles``: a row group's whole k-tile)."""
-        return ROWS * TILE_BYTES if self.weight_tiles else TILE_BYTES
-
-    def weight_base(self, mW: cute.Tensor, expert: Int32, c: Int32) -> Int64:
-        """Where the bytes of lane ``c`` of a quad start in the weights of ``expert`` (:meth:`weight_row` adds a row)."""
-        return mW.iterator.toint() + Int64(expert) * (self.m * (self.k // 2)) + Int64(c * 16)
-
-    def weight_row(self, w_base: Int64, r: Int32) -> Int64:
-        """Where weight row ``r`` of the expert at ``w_base`` starts its first k-tile (``weight_tiles``: row tiles)."""
-        if const_expr(self.weight_tiles):
-            return w_base + Int64(r // ROWS) * (ROWS * (self.k // 2)) + Int64((r % ROWS) * TILE_BYTES)
-        return w_base + Int64(r) * (self.k // 2)
-
-    def scale_base(self, mS: cute.Tensor, expert: Int32, c: Int32) -> Int64:
-        """Where lane ``c`` of a quad finds its two block scales of a row's first k-tile (its 32 K: blocks 2 c and
-        2 c + 1) in the scales of ``expert``, before :meth:`scale_row` adds the row: of the k-tile's two 512-byte
-        swizzle atoms (``swizzle``), atom c // 2, bytes 2 (c % 2) and 2 (c % 2) + 1 of the row's 4."""
-        return mS.iterator.toint() + Int64(expert) * self.scale_bytes + Int64((c // 2) * 512 + (c % 2) * 2)
-
-    def scale_row(self, s_base: Int64, r: Int32) -> Int64:
-        """Where row ``r``'s two scales are, from :meth:`scale_base`: its 128-row block of atoms, its 16-byte line
-        (r % 32) and 4-byte group ((r // 32) % 4) in an atom. A k-tile on is 1024 bytes (two atoms) on."""
-        return s_base + Int64((r // 128) * (self.kb4 * 512) + (r % 32) * 16 + ((r // 32) % 4) * 4)
-
-    @cute.jit
-    def load_a(self, wbuf: cute.Tensor, sbuf: cute.Tensor, a_addr: cute.Tensor, s_addr: cute.Tensor,
-               slot: cutlass.Constexpr[int], kt: Int32):
-        for mt in cutlass.range_constexpr(self.row_tiles):
-            for h in cutlass.range_constexpr(2):
-                v = ptx.ld_global_v4(a_addr[mt, h] + Int64(kt * self.kt_bytes), self.l2_prefetch)
-                for i in cutlass.range_constexpr(4):
-                    wbuf[slot, mt, h, i] = v[i]
-                sbuf[slot, mt, h] = ptx.ld_global_u16(s_addr[mt, h] + Int64(kt * 1024))
+    def load_a(self, wbuf: cute.Tensor, sbuf: cute.Tensor, a_addr: cute.Tensor, s_addr: cute.Tensor, slot: int,
+               kt: Int32) -> None:
+        """Pipeline slot ``slot`` <- k-tile ``kt`` of the thread's rows, each from its own address."""
+        self.load_weights(wbuf, sbuf, slot, lambda mt, h: (a_addr[mt, h] + Int64(kt * self.kt_bytes),
+                                                           s_addr[mt, h] + Int64(kt * 1024)))
 
     @cute.jit
     def stage_row(self, mX: cute.Tensor, token: Int32, x_s: Int32, zero_s: Int32, tidx: Int32):
@@ -530,19 +434,6 @@ class Sm90Nvfp4GroupedGemm:
                     acc[mt, 0, 2 * h + 1] = acc[mt, 0, 2 * h + 1] + s1 * dst[mt, 0, 2 * h + 1]
 
     @cute.jit
-    def decode_rows(self, cw: cute.Tensor, cs: cute.Tensor, a: cute.Tensor, mt: int):
-        for h in cutlass.range_constexpr(2):
-            if const_expr(not self.block_columns):  # (block_columns: the scales go on the partial sums)
-                s01 = ptx.e4m3x2_to_bf16x2_pair(cs[mt, h], e2m1r.DECODE_BIAS)
-            for w in cutlass.range_constexpr(4):
-                if const_expr(self.weight_tiles):  # row tiles hold Hopper-order words (``row_tiles``)
-                    r = e2m1r.decode_e2m1x8_hopper(cw[mt, h, w], ptx.rotr_b32)
-                else:
-                    r = e2m1r.decode_e2m1x8(cw[mt, h, w])
-                for j in cutlass.range_constexpr(4):
-                    a[mt, h, w, j] = r[j] if const_expr(self.block_columns) else ptx.mul_bf16x2(r[j], s01[w // 2])
-
-    @cute.jit
     def mma_step(self, a: cute.Tensor, xw: cute.Tensor, acc: cute.Tensor, mt: int, w: int, u: int, nb: int):
         b0, b1 = self.b_pair(xw, nb, 2 * w + u)
         d = ptx.mma_bf16_16816(a[mt, 0, w, 2 * u], a[mt, 1, w, 2 * u], a[mt, 0, w, 2 * u + 1], a[mt, 1, w, 2 * u + 1],
@@ -558,83 +449,3 @@ class Sm90Nvfp4GroupedGemm:
         else:
             b0, b1 = lane_words(xw[nb, 4 * w + u], xw[nb, 4 * w + u + 2])
         return b0, b1
-
-    @cute.jit
-    def epilogue(self, acc: cute.Tensor, mAlpha: cute.Tensor, mTok: cute.Tensor, mRW: cute.Tensor,
-                 mOut: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32, row_base: Int32, g: Int32, c: Int32):
-        if const_expr(self.mode == "swiglu"):
-            scale_lo = mAlpha[2 * expert] * Float32(self.epi_scale)      # gate rows
-            scale_hi = mAlpha[2 * expert + 1] * Float32(self.epi_scale)  # up rows
-        else:
-            scale_lo = mAlpha[expert] * Float32(self.epi_scale)
-            scale_hi = scale_lo
-        out_base = mOut.iterator.toint()
-        if const_expr(self.block_columns):
-            # a row's 8 block columns, 2 per lane of its quad, summed where the epilogue reads the tile's token
-            for mt in cutlass.range_constexpr(self.row_tiles):
-                for h in cutlass.range_constexpr(2):
-                    v = acc[mt, 0, 2 * h] + acc[mt, 0, 2 * h + 1]
-                    v = v + cute.arch.shuffle_sync_bfly(v, 1)
-                    acc[mt, 0, 2 * h] = v + cute.arch.shuffle_sync_bfly(v, 2)
-        # "scatter": every column's token and routing weight loaded first, unconditionally (columns past the tile's
-        # pairs read its last pair), so the loads issue back to back: loaded under each column's branch, each paid a
-        # load latency in turn (Nsight Compute: the L2 GEMM of V4-Flash T = 4096 1.16 -> 1.06 ms, docs/benchmarks.md).
-        # ``ids_first`` False (WGMMA CTAs capped at three per SM, which these registers do not fit): loaded per column
-        nbs = acc.shape[1]  # 8-column blocks (a WGMMA tile may run fewer than N's, ``min_tokens``)
-        toks = cute.make_rmem_tensor((nbs, 2), Int32)
-        wts = cute.make_rmem_tensor((nbs, 2), Float32)
-        if const_expr(self.mode == "scatter" and self.ids_first):
-            for nb in cutlass.range_constexpr(nbs):
-                for tt in cutlass.range_constexpr(2):
-                    t = nb * 8 + 2 * c + tt
-                    if t > cnt - 1:
-                        t = cnt - 1
-                    toks[nb, tt] = self.token_of(mTok, begin + t)
-                    wts[nb, tt] = mRW[begin + t]
-        for mt in cutlass.range_constexpr(self.row_tiles):
-            r0 = row_base + mt * 16 + g
-            # the addresses of this thread's first column (pair begin + 2 c) and row: every other column of "swiglu"
-            # is a constant distance on, which the stores take as an immediate offset
-            if const_expr(self.mode == "swiglu"):
-                j = k_order.position((row_base + mt * 16) // 2 + g, self.h_order)
-                h_col0 = out_base + (Int64(begin + 2 * c) * (self.m // 2) + Int64(j)) * 2
-            out_row = out_base + Int64(r0) * 4
-            for nb in cutlass.range_constexpr(nbs):
-                for tt in cutlass.range_constexpr(2):
-                    t = nb * 8 + 2 * c + tt
-                    if t < cnt:
-                        p = begin + t
-                        if const_expr(self.mode == "swiglu"):
-                            gate = acc[mt, nb, tt] * scale_lo       # row r0
-                            up = acc[mt, nb, 2 + tt] * scale_hi     # row r0 + 8
-                            if const_expr(self.swiglu_limit is not None):
-                                lim = Float32(self.swiglu_limit)
-                                gate = cute.arch.fmin(gate, lim)
-                                up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
-                            # sigmoid by the approximate reciprocal (<= 1 ulp, h is rounded to BF16): a division is a
-                            # dozen instructions and a branch to its slow path per value
-                            hval = gate * cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-gate, fastmath=True)) * up
-                            if const_expr(self.block_columns):
-                                hval = hval * Float32(2.0 ** BC_X_LOG2)  # the scale "scatter" expects of h
-                            ptx.st_global_b16(h_col0 + (nb * 8 + tt) * self.m,
-                                              ptx.f32x2_to_bf16x2(hval, hval))
-                        elif const_expr(self.mode == "scatter"):
-                            if const_expr(self.ids_first):
-                                tok, wt = toks[nb, tt], wts[nb, tt]
-                            else:
-                                tok, wt = self.token_of(mTok, p), mRW[p]
-                            addr = out_row + Int64(tok) * (self.m * 4)
-                            sw = scale_lo * wt  # (one alpha for both rows)
-                            ptx.red_add_f32(addr, acc[mt, nb, tt] * sw)           # row r0
-                            ptx.red_add_f32(addr + 32, acc[mt, nb, 2 + tt] * sw)  # row r0 + 8
-                        else:
-                            lo = acc[mt, nb, tt] * scale_lo       # row r0
-                            hi = acc[mt, nb, 2 + tt] * scale_hi   # row r0 + 8
-                            if const_expr(self.out_bf16):
-                                addr = out_base + (Int64(p) * self.m + Int64(r0)) * 2
-                                ptx.st_global_b16(addr, ptx.f32x2_to_bf16x2(lo, lo))
-                                ptx.st_global_b16(addr + 16, ptx.f32x2_to_bf16x2(hi, hi))
-                            else:
-                                addr = out_base + (Int64(p) * self.m + Int64(r0)) * 4
-                                ptx.st_global_f32(addr, lo)
-                                ptx.st_global_f32(addr + 32, hi)

@@ -22,6 +22,7 @@ from cutlass import Float32, Int32
 
 THREADS = 1024
 BATCH = 8  # pairs a thread loads before it uses the first
+MAX_EXPERTS = 32 * 64  # experts a CTA counts (64 per lane of a warp)
 
 
 def max_tiles_for(pairs: int, experts: int, tile_tokens: int) -> int:
@@ -33,8 +34,8 @@ class Sm90MoeRouting:
     """Counting sort of the routed pairs by expert, and the tile list the grouped GEMMs walk."""
 
     def __init__(self, *, experts: int, top_k: int, tile_tokens: int):
-        if experts > 32 * 64:
-            raise ValueError(f"at most {32 * 64} experts, got {experts}")
+        if not 1 <= experts <= MAX_EXPERTS:
+            raise ValueError(f"1 to {MAX_EXPERTS} experts, got {experts}")
         self.experts, self.top_k, self.bn = experts, top_k, tile_tokens
         self.seg = (experts + 31) // 32
 

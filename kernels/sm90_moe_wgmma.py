@@ -1,6 +1,6 @@
 """SM90 grouped NVFP4 x BF16 GEMM on warpgroup MMA (``wgmma``), the prefill path of the MoE.
 
-Same operands, work tiles, epilogues and call signature as :class:`Sm90Nvfp4GroupedGemm`
+Same operands, work tiles, epilogues (``sm90_nvfp4_gemm_parts``) and call signature as :class:`Sm90Nvfp4MmaGemm`
 (``sm90_moe_gemm``, whose docstring holds the layout contract); what changes is the MMA:
 
 * A = the packed NVFP4 weights, decoded to BF16 in registers exactly as in the mma.sync kernel (the
@@ -14,8 +14,7 @@ Same operands, work tiles, epilogues and call signature as :class:`Sm90Nvfp4Grou
   of ``width_step``, and a tile runs the narrowest that holds its tokens: with uniform routing an expert's
   count spreads by about its square root around the mean, N must hold the largest (V4-Pro T = 4096: counts
   42..92, mean 64), and columns past a tile's tokens cost MMA time and energy for nothing. A tile stages the
-  activation rows of its width only (zero-filled past its tokens): staged for N, V4-Pro / V4-Flash T = 4096 took
-  2.7 / 5.6 % longer on an H200 (docs/benchmarks.md), the copies of zeros alone.
+  activation rows of its width only (zero-filled past its tokens).
 * K order: the weights keep their per-thread K permutation (a lane quad owns a contiguous 32-K run,
   see ``sm90_moe_gemm``); the activation rows arrive already in the matching order (``"staged"``,
   ``k_order``: the host permutes ``x`` for L1, the L1 epilogue writes ``h`` so for L2), so a staged
@@ -37,126 +36,99 @@ import cutlass.cute as cute
 import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import Float32, Int32, Int64, const_expr
 
-from . import k_order
 from . import e2m1_registers as e2m1r
 from . import sm90_ptx as ptx
+from .cute_host import expect
 from .row_tiles import ROWS, TILE_BYTES
-from .sm90_moe_gemm import K_TILE, Sm90Nvfp4GroupedGemm
+from .sm90_config import K_TILE, WIDTH_STEP, GemmProblem, WgmmaTiling
+from .sm90_nvfp4_gemm_parts import Nvfp4GemmParts, problem_violations
 
-WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
-WIDTH_STEP = 16  # step between the MMA widths of one kernel (``min_tokens``)
-
-
-def wgmma_fits_k(k: int) -> bool:
-    """Whether the WGMMA kernels take a GEMM whose K is ``k``: 128-K tiles, one of them or an even number (two or
-    more k-tiles in flight, ``Sm90Nvfp4WgmmaGemm``)."""
-    return k % K_TILE == 0 and (k == K_TILE or k // K_TILE % 2 == 0)
+STAGES = 4  # staged activation tiles in the ring (two in flight ahead of the MMAs)
 
 
-class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
-    """One compiled configuration of the WGMMA grouped GEMM.
+def _smem_bytes(tile_tokens: int) -> int:
+    """Shared memory a CTA asks for: the stage ring (N rows of 256 bytes a stage) and room to align it to 1024."""
+    return STAGES * tile_tokens * 256 + 2048
 
-    Args:
-        m, k, mode, swiglu_limit, depth: as :class:`Sm90Nvfp4GroupedGemm` (mode ``"swiglu"``/``"scatter"``).
-        tile_tokens: N, tokens per work item: 16 .. 256, a multiple of 16.
-        warpgroups: warpgroups per CTA (each owns 64 weight rows per m64 group).
-        l2_prefetch: bytes the L2 fetches around each weight load (``sm90_ptx.ld_global_v4``).
-        stages: staged activation tiles (>= 3; ``stages - 2`` in flight ahead of the MMAs).
-        h_order: ``"swiglu"``: K order ``h`` is written in (``"staged"`` for an L2 of this kernel).
-        min_ctas: CTAs that must fit on one SM (``ptxas`` caps the registers to match; 1: no cap).
-        l2_ahead: k-tiles ahead of the register pipeline that each warp's weight rows are prefetched into
-            the L2 (``prefetch.global.L2``; 0: none).
-        weight_tiles: ``w`` is in Hopper row tiles (``row_tiles``), not row-major.
-        min_tokens: the narrowest MMA width (0: N): tiles run the narrowest of ``min_tokens``,
-            ``min_tokens + width_step``, .., N that holds their tokens.
-        width_step: step between those widths (a multiple of 8).
-        prefetch_next: with ``l2_ahead``, the CTAs resident at once (0: off). Once its own L2 prefetches run past its
-            last k-tile, a CTA prefetches the first ``depth + l2_ahead`` weight k-tiles of the CTA ``prefetch_next``
-            blocks after it, the one that takes its place about when it leaves, so that CTA starts on L2 hits
-            instead of DRAM latency (one 256-thread CTA per SM: nothing else hides a CTA's start).
-        m_tiles: m64 row groups per warpgroup (1 or 2): a warp owns ``m_tiles`` adjacent 16-row groups, MMA group mt
-            takes group mt of each of the warpgroup's warps, and each group's 8 MMAs a k-tile are a commit group of
-            their own, so one group's decode overlaps the other's MMAs (``sm90_moe.wgmma_shape``).
+
+def wgmma_violations(problem: GemmProblem, tiling: WgmmaTiling) -> list[str]:
+    """What in (``problem``, ``tiling``) the WGMMA GEMM does not take (empty: it takes it)."""
+    bad = problem_violations(problem)
+    t = tiling
+    n_kt = problem.k // K_TILE
+    if problem.mode not in ("swiglu", "scatter"):
+        bad.append(f"the wgmma GEMM has modes swiglu/scatter, got {problem.mode!r}")
+    if problem.b_order != "staged" or problem.direct_top_k:
+        bad.append("the wgmma GEMM reads 'staged' activation rows of routed tiles (b_order 'staged', no direct_top_k)")
+    if t.tile_tokens % 16 or not 16 <= t.tile_tokens <= 256:
+        bad.append(f"tile_tokens must be a multiple of 16 in [16, 256], got {t.tile_tokens}")
+    elif _smem_bytes(t.tile_tokens) > ptx.SMEM_LIMIT:
+        bad.append(f"{STAGES} stages of N = {t.tile_tokens} take {_smem_bytes(t.tile_tokens)} bytes of shared "
+                   f"memory, more than the {ptx.SMEM_LIMIT} a CTA may have")
+    min_tokens = t.min_tokens or t.tile_tokens
+    if min_tokens % 8 or not 8 <= min_tokens <= t.tile_tokens or (t.tile_tokens - min_tokens) % WIDTH_STEP:
+        bad.append(f"min_tokens must be 0 or a multiple of 8 in [8, tile_tokens={t.tile_tokens}] that differs from "
+                   f"it by a multiple of {WIDTH_STEP}, got {t.min_tokens}")
+    if t.m_tiles not in (1, 2) or t.warpgroups not in (1, 2):
+        bad.append(f"m_tiles and warpgroups must be 1 or 2, got {t.m_tiles}, {t.warpgroups}")
+    elif problem.m % (64 * t.warpgroups * t.m_tiles):
+        bad.append(f"M={problem.m} must be a multiple of the CTA's {64 * t.warpgroups * t.m_tiles} rows")
+    elif (t.tile_tokens * 16) % (128 * t.warpgroups):
+        bad.append(f"tile_tokens * 16 must be a multiple of the CTA's {128 * t.warpgroups} threads")
+    # one k-tile in flight over several computed non-finite outputs on an H200 (the next k-tile's decode reusing the
+    # A registers of a wgmma still in flight across the loop's back edge); with one k-tile in all there is none
+    if t.depth not in (1, 2, 4) or n_kt % t.depth or (t.depth == 1 and n_kt > 1):
+        bad.append(f"depth must divide the {n_kt} k-tiles, and be 2 or 4 unless K is one k-tile; got {t.depth}")
+    if t.min_ctas < 1 or t.l2_ahead < 0:
+        bad.append(f"min_ctas must be >= 1 and l2_ahead >= 0, got {t.min_ctas}, {t.l2_ahead}")
+    if t.prefetch_next < 0 or (t.prefetch_next and not t.l2_ahead):
+        bad.append(f"prefetch_next must be >= 0, and 0 without l2_ahead (it continues its prefetches); "
+                   f"got {t.prefetch_next}")
+    return bad
+
+
+class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
+    """One compiled configuration of the WGMMA grouped GEMM (module docstring): ``problem`` and ``tiling``.
+
+    Launched as :class:`~nvfp4_megamoe.kernels.sm90_moe_gemm.Sm90Nvfp4MmaGemm` is. A CTA is ``warpgroups`` x
+    ``m_tiles`` x 64 weight rows: a warp owns ``m_tiles`` adjacent 16-row groups, MMA group mt takes group mt of each
+    of the warpgroup's warps, and each group's 8 MMAs a k-tile are a commit group of their own, so one group's decode
+    overlaps the other's MMAs.
     """
 
-    def __init__(self, *, m: int, k: int, mode: str, tile_tokens: int = 128, swiglu_limit: float | None = None,
-                 warpgroups: int = 2, depth: int = 4, l2_prefetch: int = 0, stages: int = 4,
-                 h_order: str = "staged", min_ctas: int = 1, l2_ahead: int = 0, weight_tiles: bool = False,
-                 min_tokens: int = 0, width_step: int = WIDTH_STEP, prefetch_next: int = 0, m_tiles: int = 1,
-                 **_ignored):
-        if mode not in ("swiglu", "scatter"):
-            raise ValueError(f"the wgmma GEMM has modes swiglu/scatter, got {mode!r}")
-        if tile_tokens % 16 or not 16 <= tile_tokens <= 256:
-            raise ValueError(f"tile_tokens must be a multiple of 16 in [16, 256], got {tile_tokens}")
-        self.m, self.k, self.mode = m, k, mode
-        self.bn = tile_tokens
-        self.nb = tile_tokens // 8
-        self.min_tokens = min_tokens or tile_tokens
-        self.width_step = width_step
-        if (self.min_tokens % 8 or not 8 <= self.min_tokens <= tile_tokens or width_step % 8 or width_step <= 0
-                or (tile_tokens - self.min_tokens) % width_step):
-            raise ValueError(f"min_tokens must be a multiple of 8 in [8, tile_tokens={tile_tokens}] and differ from it "
-                             f"by a multiple of width_step={width_step} (a multiple of 8), got {min_tokens}")
-        if m_tiles not in (1, 2):
-            raise ValueError(f"m_tiles must be 1 or 2, got {m_tiles}")
-        self.wgs = warpgroups
-        self.warps = 4 * warpgroups
-        self.threads = 128 * warpgroups
-        self.row_tiles = m_tiles  # a warp's 16-row groups, one per m64 MMA of its warpgroup
-        self.bm = 64 * warpgroups * m_tiles
-        self.split_k = 1
-        if m % self.bm:
-            raise ValueError(f"M={m} must be a multiple of the CTA's {self.bm} rows")
-        if k % K_TILE:
-            raise ValueError(f"K={k} must be a multiple of {K_TILE}")
-        self.n_kt = k // K_TILE
-        # 4 k-tiles of weights in flight: at N = 128 (two warpgroups, one CTA per SM) 251 registers, no spill,
-        # and V4-Flash T = 4096 3.81 -> 3.48 ms against 2 (H200, docs/benchmarks.md)
-        self.depth = max(d for d in (1, 2, 4) if d <= depth and self.n_kt % d == 0)
-        # One k-tile in flight over several k-tiles gave non-finite outputs on an H200 (V4-Pro and a small shape, two
-        # and four warpgroups; 2 and 4 held), most likely the next k-tile's decode reusing the A registers of a wgmma
-        # still in flight across the loop's back edge; with one k-tile in all (the tiny model's L2) there is none.
-        if self.depth == 1 and self.n_kt > 1:
-            raise ValueError(f"the wgmma GEMM needs depth >= 2 (got {depth}) and K / {K_TILE} even or 1 (K = {k}): "
-                             f"see wgmma_fits_k")
-        if (self.bn * 16) % self.threads:
-            raise ValueError(f"tile_tokens * 16 must be a multiple of {self.threads} threads")
+    @staticmethod
+    def can_implement(problem: GemmProblem, tiling: WgmmaTiling) -> bool:
+        return not wgmma_violations(problem, tiling)
+
+    def __init__(self, problem: GemmProblem, tiling: WgmmaTiling):
+        bad = wgmma_violations(problem, tiling)
+        expect(not bad, f"WGMMA NVFP4 GEMM {problem}, {tiling}: " + "; ".join(bad))
+        self.set_problem(problem)
+        self.tiling = tiling
+        self.bn = tiling.tile_tokens
+        self.nb = tiling.tile_tokens // 8
+        self.min_tokens = tiling.min_tokens or tiling.tile_tokens
+        self.width_step = WIDTH_STEP
+        self.wgs = tiling.warpgroups
+        self.warps = 4 * tiling.warpgroups
+        self.threads = 128 * tiling.warpgroups
+        self.row_tiles = tiling.m_tiles  # a warp's 16-row groups, one per m64 MMA of its warpgroup
+        self.bm = 64 * tiling.warpgroups * tiling.m_tiles
+        self.n_kt = problem.k // K_TILE
+        self.depth = tiling.depth
         self.n_ld = self.bn * 16 // self.threads  # 16-byte activation chunks per thread per k-tile
-        if stages < 3:
-            raise ValueError(f"stages must be at least 3, got {stages}")
-        if h_order not in k_order.ORDERS:
-            raise ValueError(f"h_order must be one of {k_order.ORDERS}, got {h_order!r}")
-        self.stages, self.h_order = stages, h_order
-        # the scatter's ids loaded first (``epilogue``) do not fit under the register cap of three CTAs per SM: ptxas
-        # spills 88 bytes at N = 32
-        # nor, with two m64 groups, those of N = 80 (8 bytes spilled)
-        self.ids_first = min_ctas < 3 and m_tiles == 1
-        self.min_ctas = min_ctas
-        if l2_ahead < 0:
-            raise ValueError(f"l2_ahead must be >= 0, got {l2_ahead}")
-        self.l2_ahead = l2_ahead
-        if prefetch_next < 0 or (prefetch_next and not l2_ahead):
-            raise ValueError(f"prefetch_next must be >= 0, and 0 without l2_ahead; got {prefetch_next}")
-        self.prefetch_next = prefetch_next
-        self.swiglu_limit = swiglu_limit
-        self.out_bf16 = False
-        self.direct_top_k = 0            # prefill only: the routing kernel always runs
+        self.stages = STAGES
+        # the scatter's ids loaded first (``epilogue``) do not fit under the register cap of three CTAs per SM (ptxas
+        # spills 88 bytes at N = 32), nor with two m64 groups (N = 80: 8 bytes)
+        self.ids_first = tiling.min_ctas < 3 and tiling.m_tiles == 1
+        self.min_ctas = tiling.min_ctas
+        self.l2_ahead = tiling.l2_ahead
+        self.prefetch_next = tiling.prefetch_next
         self.block_columns = False
-        self.weight_tiles = weight_tiles
-        if l2_prefetch not in ptx.L2_PREFETCH_BYTES:
-            raise ValueError(f"l2_prefetch must be one of {ptx.L2_PREFETCH_BYTES}, got {l2_prefetch}")
-        self.l2_prefetch = l2_prefetch
-        from .swizzle import swizzled_nbytes
-        import math
-        self.scale_bytes = swizzled_nbytes(m, k // 16)
-        self.kb4 = math.ceil(k // 16 / 4)
+        self.l2_prefetch = 0
         self.epi_scale = float(2 ** e2m1r.EPILOGUE_LOG2)
-        self.b_depth = 0
         self.region = self.bn * 128          # bytes of one 64-K half of a staged tile
         self.stage_bytes = 2 * self.region   # one 128-K tile
-        if self.smem_bytes > ptx.SMEM_LIMIT:  # (else the launch fails on the GPU, not here)
-            raise ValueError(f"{stages} stages of {self.stage_bytes} bytes (N = {tile_tokens}) take {self.smem_bytes} "
-                             f"bytes of shared memory, more than the {ptx.SMEM_LIMIT} a CTA may have")
 
     @property
     def smem_bytes(self) -> int:
@@ -164,9 +136,7 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         return self.stages * self.stage_bytes + 2048
 
     def key(self) -> tuple:
-        return ("wgmma", self.m, self.k, self.mode, self.bn, self.swiglu_limit, self.wgs, self.depth, self.l2_prefetch,
-                self.stages, self.h_order, self.min_ctas, self.l2_ahead, self.weight_tiles, self.min_tokens,
-                self.width_step, self.prefetch_next, self.row_tiles)
+        return (self.problem, self.tiling)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
@@ -353,19 +323,13 @@ class Sm90Nvfp4WgmmaGemm(Sm90Nvfp4GroupedGemm):
         w = (mt * ROWS * (self.k // 2) + 8 * h * TILE_BYTES) if self.weight_tiles else dr * (self.k // 2)
         return w, dr * 16
 
-    @cute.jit
-    def load_a(self, wbuf: cute.Tensor, sbuf: cute.Tensor, a_addr: Int64, s_addr: Int64,
-               slot: cutlass.Constexpr[int], kt: Int32):
-        """The base class's load, from row g's addresses and :meth:`row_offsets` (immediate offsets, no registers)."""
+    def load_a(self, wbuf: cute.Tensor, sbuf: cute.Tensor, a_addr: Int64, s_addr: Int64, slot: int, kt: Int32) -> None:
+        """Pipeline slot ``slot`` <- k-tile ``kt`` of the thread's rows: row g's addresses plus :meth:`row_offsets`
+        (immediate offsets, no registers)."""
         a_kt = a_addr + Int64(kt * self.kt_bytes)
         s_kt = s_addr + Int64(kt * 1024)
-        for mt in cutlass.range_constexpr(self.row_tiles):
-            for h in cutlass.range_constexpr(2):
-                w_off, s_off = self.row_offsets(mt, h)
-                v = ptx.ld_global_v4(a_kt + Int64(w_off), self.l2_prefetch)
-                for i in cutlass.range_constexpr(4):
-                    wbuf[slot, mt, h, i] = v[i]
-                sbuf[slot, mt, h] = ptx.ld_global_u16(s_kt + Int64(s_off))
+        self.load_weights(wbuf, sbuf, slot, lambda mt, h: (a_kt + Int64(self.row_offsets(mt, h)[0]),
+                                                           s_kt + Int64(self.row_offsets(mt, h)[1])))
 
     @cute.jit
     def stage_b(self, x_addr: cute.Tensor, x_bytes: cute.Tensor, stage: Int32, st_off: Int32, kt: Int32,

@@ -1,22 +1,25 @@
 """The Hopper (sm_90a) backend: CuTeDSL kernels from ``kernels/`` where a layer's shape allows,
 the PyTorch references everywhere else.
 
-* routed experts: :class:`~nvfp4_megamoe.kernels.sm90_moe.Sm90NvFp4MoE` (W4A16: activations
+* routed experts: :class:`~nvfp4_megamoe.kernels.sm90_moe.Sm90Nvfp4Moe` (W4A16: activations
   rounded to BF16, weights decoded in registers, fp32 accumulation);
-* decode attention: :func:`~nvfp4_megamoe.kernels.sm90_decode_attention.decode_attention`
+* decode attention: :func:`~nvfp4_megamoe.kernels.sm90_decode_attention.sm90_decode_attention`
   (head_dim 512, heads a multiple of 64), BF16 operands;
-* decode indexer top-k of CSA layers: :func:`~nvfp4_megamoe.kernels.sm90_attention_indexer.indexer_topk`
-  (the fused score kernel where the index heads/dims tile, then the sort kernel, with segment passes
-  beyond 4,096 entries, or ``torch.topk`` above 1M keys in all; every size compiled at the first call),
-  BF16 query and keys;
+* decode indexer top-k of CSA layers (``kernels/sm90_indexer.py``): the fused score kernel where the index
+  heads/dims tile (else the torch composition of ``kernels/indexer_keys.py``), then the sort kernel, with segment
+  passes beyond 4,096 entries, or ``torch.topk`` where the sort does not pay (``sm90_heuristics``); every size
+  compiled at the first call; BF16 query and keys;
 * the decode state (ring, compressed entries, indexer keys) is kept in BF16 (``state_dtype``), the
   dtype these kernels read, so no step converts it;
-* mHC weights before each sublayer (``hc_pre``): :func:`~nvfp4_megamoe.kernels.sm90_mhc.hc_weights_sm90`,
+* mHC weights before each sublayer (``hc_pre``): :func:`~nvfp4_megamoe.kernels.sm90_mhc.sm90_hc_weights`,
   one launch for the sigmoids, softmax and Sinkhorn rounds (155 torch calls per reference ``hc_pre``);
 * dense NVFP4 linears (attention projections, shared experts, ``wo_a`` per group):
-  :func:`~nvfp4_megamoe.kernels.sm90_moe.nvfp4_linear_sm90` (W4A16, float32 out) where N % 64 and
-  K % 128 allow (``wo_a``: also 128-row groups, so each group's scales are a slice of the swizzled
+  :func:`~nvfp4_megamoe.kernels.sm90_nvfp4_linear.sm90_nvfp4_linear` (W4A16, float32 out) where it tiles the
+  weight (``can_implement``; ``wo_a``: also 128-row groups, so each group's scales are a slice of the swizzled
   block); FP8 and BF16 linears stay on the reference.
+
+Each op asks its kernel's ``can_implement`` and runs the reference where the answer is no: this module is the
+one place that chooses between a kernel and the reference.
 
 ``load_model(..., device="cuda")`` picks this backend on an sm_90 GPU. Kernels are compiled at
 load (:meth:`HopperBackend.warmup`) so the first forward does not pay for compilation.
@@ -67,71 +70,66 @@ class HopperBackend(ReferenceBackend):
         self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0, "hc_pre": 0}
         self.warmup_seconds: float | None = None
 
-    # -- dense NVFP4 linears ------------------------------------------------------------------------
-    def _kernel_tiles(self, n: int, k: int, device: torch.device) -> bool:
-        """Whether the dense kernel tiles W [n, k]; the first time, compiles all its token tiles."""
-        from nvfp4_megamoe.kernels.sm90_moe import warmup_nvfp4_linear
+    # -- dense NVFP4 linears ------------------------------------------------------------------------------------
+    def _linear_ready(self, n: int, k: int, device: torch.device) -> bool:
+        """Whether the dense kernel tiles W [n, k]; the first time it does, compiles all its token tiles."""
+        from nvfp4_megamoe.kernels import sm90_nvfp4_linear
 
         key = (n, k, str(device))
         if key not in self._linear_fits:
-            try:
-                warmup_nvfp4_linear(n, k, device)
-                self._linear_fits[key] = True
-            except ValueError:
-                self._linear_fits[key] = False
+            self._linear_fits[key] = sm90_nvfp4_linear.can_implement(n, k)
+            if self._linear_fits[key]:
+                sm90_nvfp4_linear.warmup(n, k, device)
         return self._linear_fits[key]
 
     def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
-        from nvfp4_megamoe.kernels.sm90_moe import nvfp4_linear_sm90
+        from nvfp4_megamoe.kernels.sm90_nvfp4_linear import sm90_nvfp4_linear
 
         if not (isinstance(w, Nvfp4Linear) and x.is_cuda and x.numel()):
             return super().linear(x, w)
         n, k = w.weight.shape[0], 2 * w.weight.shape[1]
-        if not self._kernel_tiles(n, k, x.device):
+        if not self._linear_ready(n, k, x.device):
             return super().linear(x, w)
         xb = x.reshape(-1, k).to(torch.bfloat16).contiguous()
-        out = nvfp4_linear_sm90(xb, w.weight, w.weight_scale, w.alpha, out_dtype=torch.float32)
+        out = sm90_nvfp4_linear(xb, w.weight, w.weight_scale, w.alpha, out_dtype=torch.float32)
         self.kernel_calls["linear"] += 1
         return out.view(*x.shape[:-1], n)
 
     def grouped_linear(self, x: torch.Tensor, w: Linear, groups: int) -> torch.Tensor:
-        from nvfp4_megamoe.kernels.sm90_moe import nvfp4_linear_sm90
+        from nvfp4_megamoe.kernels.sm90_nvfp4_linear import sm90_nvfp4_linear
         from nvfp4_megamoe.kernels.swizzle import ROW_ATOM, swizzled_row_slice
 
         if not (isinstance(w, Nvfp4Linear) and x.is_cuda and x.numel()):
             return super().grouped_linear(x, w, groups)
         n, k = w.weight.shape[0], 2 * w.weight.shape[1]
         rows = n // groups
-        if rows % ROW_ATOM or not self._kernel_tiles(rows, k, x.device):
+        if rows % ROW_ATOM or not self._linear_ready(rows, k, x.device):
             return super().grouped_linear(x, w, groups)
         xg = x.reshape(-1, groups, k).to(torch.bfloat16)
         out = torch.empty(groups, xg.shape[0], rows, dtype=torch.float32, device=x.device)
         for g in range(groups):
             lo, hi = g * rows, (g + 1) * rows
-            nvfp4_linear_sm90(xg[:, g].contiguous(), w.weight[lo:hi], swizzled_row_slice(w.weight_scale, n, k // 16, lo, hi),
-                              w.alpha, out=out[g])
+            sm90_nvfp4_linear(xg[:, g].contiguous(), w.weight[lo:hi],
+                              swizzled_row_slice(w.weight_scale, n, k // 16, lo, hi), w.alpha, out=out[g])
         self.kernel_calls["linear"] += 1
         return out.permute(1, 0, 2).reshape(*x.shape[:-1], rows)
 
-    # -- MoE --------------------------------------------------------------------------------------
+    # -- MoE ------------------------------------------------------------------------------------------------------
     def _moe_layer(self, experts: MoEWeights, top_k: int, swiglu_limit: float, device: torch.device):
-        from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
+        from nvfp4_megamoe.kernels import sm90_moe
+        from nvfp4_megamoe.kernels.sm90_config import MoeShape
 
         n, two_i, half_h = experts.w13.shape
-        # a rank holding part of the experts maps the pairs it does not hold to local expert 0 (weight 0),
-        # so one token's pairs are no longer distinct experts: keep the routing kernel, which reads each
-        # expert once, instead of one tile per pair
-        partial = n < experts.n_experts
-        key = (2 * half_h, two_i // 2, n, top_k, swiglu_limit, str(device), partial, experts.row_tiles)
+        # a rank holding part of the experts maps the pairs it does not hold to local expert 0 (weight 0), so one
+        # token's pairs are no longer distinct experts (``MoeShape.distinct_experts``)
+        shape = MoeShape(hidden=2 * half_h, intermediate=two_i // 2, experts=n, top_k=top_k, swiglu_limit=swiglu_limit,
+                         weight_tiles=experts.row_tiles, distinct_experts=n == experts.n_experts)
+        key = (shape, str(device))
         if key not in self._moe_layers:
-            try:
-                layer = Sm90NvFp4MoE(hidden=key[0], intermediate=key[1], experts=n, top_k=top_k,
-                                     swiglu_limit=swiglu_limit, max_tokens=self.max_tokens, device=device,
-                                     tuning={"direct": False} if partial else None, weight_tiles=experts.row_tiles)
-                layer.kernels(8)  # raises ValueError for shapes the kernels do not tile
-                layer.warmup()    # every configuration up to max_tokens: no forward compiles
-            except ValueError:
-                layer = None
+            layer = None
+            if sm90_moe.Sm90Nvfp4Moe.can_implement(shape, self.max_tokens):
+                layer = sm90_moe.Sm90Nvfp4Moe(shape, self.max_tokens, device)
+                layer.warmup()  # every plan up to max_tokens: no forward compiles
             self._moe_layers[key] = layer
         return self._moe_layers[key]
 
@@ -161,43 +159,50 @@ class HopperBackend(ReferenceBackend):
     def hc_pre(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
                iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from nvfp4_megamoe.kernels import mhc_reference
-        from nvfp4_megamoe.kernels.sm90_mhc import MAX_HC, hc_weights_sm90
+        from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcWeights, sm90_hc_weights
 
-        if not (x.is_cuda and x.shape[-2] <= MAX_HC):
+        if not (x.is_cuda and Sm90HcWeights.can_implement(x.shape[-2])):
             return super().hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
-        pre, post, comb = hc_weights_sm90(mhc_reference.hc_mixes(x, fn, norm_eps), base, scale, hc=x.shape[-2],
+        pre, post, comb = sm90_hc_weights(mhc_reference.hc_mixes(x, fn, norm_eps), base, scale, hc=x.shape[-2],
                                           iters=iters, hc_eps=hc_eps)
         self.kernel_calls["hc_pre"] += 1
         return mhc_reference.hc_collapse(x, pre), post, comb
 
-    # -- decode indexer top-k -------------------------------------------------------------------------
+    # -- decode indexer top-k ----------------------------------------------------------------------------------
     def indexer_topk(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,
                      n_valid: torch.Tensor) -> torch.Tensor:
-        from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_topk, kernel_fits, warmup_indexer
+        from nvfp4_megamoe.kernels import indexer_keys, sm90_heuristics, sm90_indexer
 
         if not q.is_cuda:
             return super().indexer_topk(q, keys, weights, k, n_valid)
-        shape = (q.shape[1], q.shape[2], k, str(q.device))
+        b, heads, dim = q.shape
+        shape = (heads, dim, k, str(q.device))
         if shape not in self._indexer_ready:  # every sort size now, not when the entries first cross one
-            warmup_indexer(q.shape[1], q.shape[2], k, q.device)
+            sm90_indexer.warmup(heads, dim, k, q.device)
             self._indexer_ready.add(shape)
-        if kernel_fits(q.shape[1], q.shape[2]):  # the score kernel runs (else the torch composition)
+        q, keys, weights = q.to(torch.bfloat16).contiguous(), keys.to(torch.bfloat16).contiguous(), weights.float()
+        if sm90_indexer.Sm90IndexerScores.can_implement(heads, dim):
+            key = sm90_indexer.sm90_indexer_keys(q, keys, weights, n_valid)
             self.kernel_calls["indexer"] += 1
-        return indexer_topk(q.to(torch.bfloat16).contiguous(), keys.to(torch.bfloat16).contiguous(),
-                            weights.float(), k, n_valid)
+        else:
+            key = indexer_keys.indexer_keys_torch(q, keys, weights, n_valid)
+        n = key.shape[1]
+        if b and n and sm90_indexer.topk_can_implement(n, k) and sm90_heuristics.sort_topk_pays(b, n, k):
+            return sm90_indexer.sm90_topk_of_keys(key, k)
+        return indexer_keys.topk_of_keys_torch(key, k)
 
-    # -- decode attention -------------------------------------------------------------------------
+    # -- decode attention -----------------------------------------------------------------------------------------
     def decode_attention(self, q: torch.Tensor, kv_window: torch.Tensor, window_len: torch.Tensor,
                          kv_compressed: torch.Tensor | None, indices: torch.Tensor | None,
                          sink: torch.Tensor, scale: float) -> torch.Tensor:
-        from nvfp4_megamoe.kernels.sm90_decode_attention import HEAD_DIM, HEADS_PER_CTA, decode_attention
+        from nvfp4_megamoe.kernels.sm90_decode_attention import Sm90DecodeAttention, sm90_decode_attention
 
-        if not (q.is_cuda and q.shape[-1] == HEAD_DIM and q.shape[1] % HEADS_PER_CTA == 0):
+        if not (q.is_cuda and Sm90DecodeAttention.can_implement(q.shape[1], q.shape[-1])):
             return super().decode_attention(q, kv_window, window_len, kv_compressed, indices, sink, scale)
         bf = lambda t: None if t is None else t.to(torch.bfloat16).contiguous()  # noqa: E731
         idx = None if indices is None else indices.to(torch.int32).contiguous()
-        out = decode_attention(bf(q), bf(kv_window), window_len.to(torch.int32).contiguous(), bf(kv_compressed),
-                               idx, sink.float().contiguous(), scale)
+        out = sm90_decode_attention(bf(q), bf(kv_window), window_len.to(torch.int32).contiguous(), bf(kv_compressed),
+                                    idx, sink.float().contiguous(), scale)
         self.kernel_calls["decode_attention"] += 1
         return out.float()
 

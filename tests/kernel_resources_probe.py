@@ -1,23 +1,30 @@
-"""Compile, for sm_90a (no GPU), every kernel configuration the runtime can launch for V4-Flash and V4-Pro:
-the MoE configurations a layer can pick (weights row-major and in row tiles), decode attention in its three
-modes with the clusters ``pick_cluster`` chooses and the combine kernel, the indexer's score and sort kernels,
-and the mHC weights;
-print, as JSON, each kernel's registers per thread and stack frame bytes (spills) read from its cubin.
+"""Compile, for sm_90a (no GPU), the kernel configurations the runtime can launch for V4-Flash and V4-Pro: the MoE
+plans a layer can pick (weights row-major and in row tiles), decode attention in its three modes with the clusters
+``pick_cluster`` chooses and the combine kernel, the indexer's score and sort kernels, and the mHC weights; print, as
+JSON, each kernel's registers per thread and stack frame bytes (spills) read from its cubin.
 
-Run in a fresh interpreter (``tests/test_kernel_resources.py`` does): CuTeDSL reads ``CUTE_DSL_KEEP`` /
+``--all`` compiles every configuration; without it, one GEMM per configuration that differs only in its token tile
+(the widest tile, whose accumulators take the most registers) and every other kernel. ``--jobs N`` compiles in N
+processes. Run in a fresh interpreter (``tests/test_kernel_resources.py`` does): CuTeDSL reads ``CUTE_DSL_KEEP`` /
 ``CUTE_DSL_DUMP_DIR`` when it is imported, and the cubins must come from compiles, not the disk cache.
-Usage: ``python tests/kernel_resources_probe.py DUMP_DIR``.
+Usage: ``python tests/kernel_resources_probe.py DUMP_DIR [--all] [--jobs N]``.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import multiprocessing
 import os
 import struct
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 EIATTR_FRAME_SIZE, EIATTR_REGCOUNT = 0x11, 0x2F  # .nv.info attributes: per-symbol stack frame, registers
 EIFMT_HVAL, EIFMT_SVAL = 3, 4                    # attribute formats: 2-byte value; sized value
+MODELS = ((4096, 2048, 256), (7168, 3072, 384))   # V4-Flash, V4-Pro: H, I, E (top-6)
+MAX_TOKENS = 8192
 
 
 def cubin_resources(cubin: bytes) -> dict[str, int]:
@@ -49,47 +56,104 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
     return {"registers": found[EIATTR_REGCOUNT], "frame_bytes": found[EIATTR_FRAME_SIZE]}
 
 
-def main() -> None:
-    os.makedirs(sys.argv[1], exist_ok=True)  # CuTeDSL writes no artifact into a missing folder
-    os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=sys.argv[1],
-                      NVFP4_MEGAMOE_KERNEL_CACHE="0")
-    from nvfp4_megamoe.kernels import cute_host, sm90_attention_indexer, sm90_moe
-    from nvfp4_megamoe.kernels.sm90_decode_attention import Sm90DecodeAttention, Sm90DecodeAttentionCombine
+def _token_tile_free(op) -> tuple | None:
+    """A GEMM's configuration with its token tile taken out (None for other kernels)."""
+    tiling = getattr(op, "tiling", None)
+    if tiling is None:
+        return None
+    wide = dict(tile_tokens=0, **({"min_tokens": 0} if hasattr(tiling, "min_tokens") else {}))
+    return type(op).__name__, op.problem, dataclasses.replace(tiling, **wide)
+
+
+def jobs(every: bool) -> list[tuple]:
+    """(op, operands) of every kernel to compile, in a fixed order (each worker rebuilds the same list)."""
+    import torch
+
+    from nvfp4_megamoe.kernels import cute_host, sm90_indexer, sm90_moe
+    from nvfp4_megamoe.kernels.sm90_config import MoeShape
+    from nvfp4_megamoe.kernels.sm90_decode_attention import (CLUSTERS, Sm90DecodeAttention,
+                                                             Sm90DecodeAttentionCombine)
     from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcWeights
-    from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4GroupedGemm
-    from sm90_stand_ins import decode_attention_args, hc_weights_args, moe_gemm_args
+    from sm90_stand_ins import decode_attention_args, hc_weights_args
 
-    rows = []
-    compile_op = cute_host.compile_op
-
-    def compile_and_record(op, tensors):
-        fn = compile_op(op, tensors)
-        rows.append({"kernel": type(op).__name__, "key": repr(op.key()), "threads": getattr(op, "threads", 0),
-                     "min_ctas": getattr(op, "min_ctas", None), **cubin_resources(fn.artifacts.CUBIN)})
-        return fn
-
-    sm90_moe._compile = sm90_attention_indexer._compile = compile_and_record  # the modules' own bindings
-    for h, i, e in ((4096, 2048, 256), (7168, 3072, 384)):
-        for tiles in (False, True):  # canonical and --target sm90 checkpoints
-            sm90_moe.Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=6, swiglu_limit=10.0, max_tokens=8192,
-                                  device="cpu", weight_tiles=tiles).warmup()
-    for k in (512, 1024):  # V4-Flash's and V4-Pro's index top-k, 64 index heads of 128
-        sm90_attention_indexer.warmup_indexer(64, 128, k, "cpu")
+    found: dict[tuple, tuple] = {}
+    record = lambda op, tensors: found.setdefault((type(op).__name__, op.key()), (op, tensors))  # noqa: E731
+    saved = sm90_moe._compile, sm90_indexer._compile
+    sm90_moe._compile = sm90_indexer._compile = record  # the modules' own bindings: collect, do not compile
+    try:
+        for h, i, e in MODELS:
+            for tiles in (False, True):  # canonical and --target sm90 checkpoints
+                sm90_moe.Sm90Nvfp4Moe(MoeShape(h, i, e, 6, 10.0, tiles), MAX_TOKENS, device="cpu").warmup()
+        for k in (512, 1024):  # V4-Flash's and V4-Pro's index top-k, 64 index heads of 128
+            sm90_indexer.warmup(64, 128, k, "cpu")
+    finally:
+        sm90_moe._compile, sm90_indexer._compile = saved
     args = decode_attention_args()
     for mode in ("window", "dense", "indexed"):
-        for cluster in (1, 2, 4):  # what pick_cluster returns
-            compile_and_record(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, cluster=cluster), args)
+        for cluster in CLUSTERS:
+            record(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, cluster=cluster), args)
     for groups in (1, 4):
-        compile_and_record(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]])
-    compile_and_record(Sm90HcWeights(hc=4, iters=20, hc_eps=1e-6), hc_weights_args(4))
-    # a control that spills (64-token tiles, two row tiles: no layer picks it), so the check can be seen to fail
-    layer = sm90_moe.Sm90NvFp4MoE(hidden=4096, intermediate=2048, experts=256, top_k=6, swiglu_limit=10.0,
-                                  max_tokens=1, device="cpu")
-    _, l1, _ = layer.kernels(64, False, 2)
-    assert isinstance(l1, Sm90Nvfp4GroupedGemm)
-    compile_and_record(l1, moe_gemm_args(4096, 2048)[1])
-    control = rows.pop()
-    print(json.dumps({"kernels": rows, "control": control}))
+        record(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]])
+    record(Sm90HcWeights(hc=4, iters=20, hc_eps=1e-6), hc_weights_args(4))
+    chosen = list(found.values())
+    if not every:  # per GEMM configuration up to its token tile: the widest tile (then the fewest MMA widths)
+        widest: dict[tuple, tuple] = {}
+        for op, tensors in chosen:
+            group = _token_tile_free(op)
+            if group is None:
+                widest[(type(op).__name__, op.key())] = (op, tensors)
+                continue
+            best = widest.get(group)
+            rank = (op.tiling.tile_tokens, -getattr(op.tiling, "min_tokens", 0))
+            if best is None or rank > (best[0].tiling.tile_tokens, -getattr(best[0].tiling, "min_tokens", 0)):
+                widest[group] = (op, tensors)
+        chosen = list(widest.values())
+    del cute_host
+    return chosen
+
+
+def control() -> tuple:
+    """A configuration that spills (64-token tiles with two row tiles, which no plan picks), so the check can fail."""
+    from nvfp4_megamoe.kernels.sm90_config import GemmProblem, MmaTiling
+    from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4MmaGemm
+    from sm90_stand_ins import moe_gemm_args
+
+    problem = GemmProblem(m=4096, k=4096, mode="swiglu", swiglu_limit=10.0, h_order="lane")
+    return Sm90Nvfp4MmaGemm(problem, MmaTiling(64, 2, depth=2)), moe_gemm_args(4096, 2048)[1]
+
+
+def _row(op, tensors) -> dict:
+    from nvfp4_megamoe.kernels import cute_host
+
+    fn = cute_host.compile_op(op, tensors)
+    return {"kernel": type(op).__name__, "key": repr(op.key()), "threads": getattr(op, "threads", 0),
+            "min_ctas": getattr(op, "min_ctas", None), **cubin_resources(fn.artifacts.CUBIN)}
+
+
+def _work(share: tuple[int, int, bool]) -> list[dict]:
+    """Compile every ``step``-th kernel of :func:`jobs` from ``first`` (a worker process); ``first`` -1: the control."""
+    first, step, every = share
+    if first < 0:
+        return [_row(*control())]
+    return [_row(op, tensors) for op, tensors in jobs(every)[first::step]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("dump")
+    ap.add_argument("--all", action="store_true", help="every configuration, not one per token-tile family")
+    ap.add_argument("--jobs", type=int, default=1, help="compiling processes")
+    args = ap.parse_args()
+    os.makedirs(args.dump, exist_ok=True)  # CuTeDSL writes no artifact into a missing folder
+    os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=args.dump,
+                      NVFP4_MEGAMOE_KERNEL_CACHE="0")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sm90_stand_ins, in the workers too
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
+                                                            os.environ.get("PYTHONPATH")]))
+    n = max(1, args.jobs)
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        *parts, control_rows = pool.map(_work, [(w, n, args.all) for w in range(n)] + [(-1, n, args.all)])
+    print(json.dumps({"kernels": [row for part in parts for row in part], "control": control_rows[0]}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """CI (CPU-only) checks of the SM90 decode attention: the kernels compile for sm_90a, and the host-side
-pieces (reference, torch baseline, indexer top-k, split choice) agree with the model references.
+pieces (reference, torch baseline, the indexer's order keys and torch top-k, split choice) agree with the model
+references.
 
 CuTeDSL 4.8 compiles without a GPU when ``CUTE_DSL_ARCH=sm_90a``: ``cute.compile`` on CPU tensors
 (dtypes and ranks are what the kernels specialise on) builds the cubin; nothing is launched.
@@ -18,8 +19,13 @@ from nvfp4_megamoe.kernels.attention_reference import sink_attention  # noqa: E4
 from nvfp4_megamoe.kernels.decode_attention_reference import (  # noqa: E402
     decode_attention_reference, decode_attention_torch)
 from nvfp4_megamoe.kernels.indexer_reference import indexer_scores, select_topk  # noqa: E402
-from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_topk  # noqa: E402
+from nvfp4_megamoe.kernels.indexer_keys import indexer_keys_torch, topk_of_keys_torch  # noqa: E402
 from sm90_stand_ins import decode_attention_args  # noqa: E402
+
+
+def indexer_topk(q, keys, weights, k, n_valid=None):
+    """The torch composition the GPU backend runs where the indexer kernels do not apply."""
+    return topk_of_keys_torch(indexer_keys_torch(q, keys, weights, n_valid), k)
 
 
 def _case(b, h, w, n, k, gen):
@@ -84,7 +90,7 @@ def test_indexer_topk_matches_reference(n_valid):
 
 
 def test_ordered_key_round_trips_and_orders():
-    from nvfp4_megamoe.kernels.sm90_attention_indexer import MONO_NEG_INF, ordered_key, scores_of_key, topk_of_keys
+    from nvfp4_megamoe.kernels.indexer_keys import MONO_NEG_INF, ordered_key, scores_of_key
     gen = torch.Generator().manual_seed(3)
     s = torch.randn(3, 500, generator=gen) * torch.logspace(-30, 30, 500)
     s[:, :4] = torch.tensor([0.0, float("-inf"), float("inf"), -1e-40])       # zero, infinities, a subnormal
@@ -95,7 +101,7 @@ def test_ordered_key_round_trips_and_orders():
     want = torch.sort(s, dim=-1, descending=True, stable=True).indices                  # ties: lower index
     assert torch.equal(order, want)
     s[1, 100:] = float("-inf")                                               # with s[1, 1]: 99 visible
-    idx = topk_of_keys(ordered_key(s), 120)
+    idx = topk_of_keys_torch(ordered_key(s), 120)
     assert bool((idx[1, 99:] == -1).all()) and bool((idx[1, :99] >= 0).all()) and 1 not in idx[1].tolist()
 
 
@@ -107,27 +113,27 @@ def test_indexer_ties_pick_lower_index():
 
 
 def test_pick_splits():
-    from nvfp4_megamoe.kernels.sm90_decode_attention import CHUNK, pick_splits
-    for chunk in (CHUNK, 32):
-        for b in (1, 8, 32, 128):
-            for h in (64, 128):
-                for entries in (1, 64, 640, 1152, 8320):
-                    s = pick_splits(b, h, entries, 132, chunk)
-                    chunks = -(-entries // chunk)
-                    cps = -(-chunks // s)
-                    assert 1 <= s <= chunks and (s - 1) * cps < chunks   # no empty split
-                    assert s == 1 or s * b * (h // 64) <= 132             # at most one wave when split
+    from nvfp4_megamoe.kernels.sm90_config import ATTENTION_CHUNK as chunk
+    from nvfp4_megamoe.kernels.sm90_heuristics import pick_splits
+    for b in (1, 8, 32, 128):
+        for h in (64, 128):
+            for entries in (1, 64, 640, 1152, 8320):
+                s = pick_splits(b, h, entries, 132)
+                chunks = -(-entries // chunk)
+                cps = -(-chunks // s)
+                assert 1 <= s <= chunks and (s - 1) * cps < chunks   # no empty split
+                assert s == 1 or s * b * (h // 64) <= 132             # at most one wave when split
 
 
 def test_pick_cluster():
-    from nvfp4_megamoe.kernels.sm90_decode_attention import CHUNK, CLUSTER_GRID, pick_cluster, pick_splits
-    for max_cluster in (1, 2, 4, 16):
+    from nvfp4_megamoe.kernels.sm90_heuristics import CLUSTER_GRID, pick_cluster, pick_splits
+    for max_cluster in (1, 2, 4):
         for b in (1, 2, 8, 20, 32, 128):
             for h in (64, 128):
                 for entries in (1, 64, 160, 640, 1152, 8320):
-                    cl = pick_cluster(b, h, entries, 132, CHUNK, max_cluster)
-                    splits, ctas = pick_splits(b, h, entries, 132, CHUNK), b * (h // 64)
-                    assert cl in (1, 2, 4, 8, 16) and cl <= max_cluster
+                    cl = pick_cluster(b, h, entries, 132, max_cluster)
+                    splits, ctas = pick_splits(b, h, entries, 132), b * (h // 64)
+                    assert cl in (1, 2, 4) and cl <= max_cluster
                     if cl > 1:  # every split in the cluster, one wave, and big clusters only in small grids
                         assert cl // 2 < splits <= cl and cl * ctas <= 132 and (cl <= 2 or cl * ctas <= CLUSTER_GRID)
     # the measured cases: 3 splits at B = 1 / 8 (4-CTA clusters), 2 splits of V4-Pro at B = 32, no cluster
@@ -141,18 +147,14 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not insta
 
 
 @pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
-@pytest.mark.parametrize("mode,chunk,stages", [("indexed", 64, 2), ("dense", 64, 2), ("window", 64, 2),
-                                               ("indexed", 32, 4), ("dense", 16, 8)])
-def test_decode_attention_compiles_sm90a(mode, chunk, stages):
+@pytest.mark.parametrize("mode", ["indexed", "dense", "window"])
+def test_decode_attention_compiles_sm90a(mode):
     from nvfp4_megamoe.kernels.cute_host import compile_op
-    from nvfp4_megamoe.kernels.sm90_decode_attention import Sm90DecodeAttention, Sm90DecodeAttentionCombine
+    from nvfp4_megamoe.kernels.sm90_decode_attention import CLUSTERS, Sm90DecodeAttention, Sm90DecodeAttentionCombine
     args = decode_attention_args()
-    assert compile_op(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, chunk=chunk, stages=stages), args) is not None
-    if chunk >= 32:  # the cluster merge (distributed shared memory): pick_cluster's 2 and 4, the option's 8 and 16
-        for cluster in (2, 4, 8, 16) if mode == "indexed" and chunk == 64 else (8,):
-            op = Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, chunk=chunk, stages=stages, cluster=cluster)
-            assert compile_op(op, args) is not None
-    if mode == "indexed" and chunk == 64:
+    for cluster in CLUSTERS if mode == "indexed" else (1,):  # the cluster merge (distributed shared memory)
+        assert compile_op(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, cluster=cluster), args) is not None
+    if mode == "indexed":
         for groups in (1, 4):
             assert compile_op(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]]) is not None
 
@@ -161,18 +163,20 @@ def test_decode_attention_compiles_sm90a(mode, chunk, stages):
 @pytest.mark.parametrize("heads,dim", [(64, 128), (8, 64)])
 def test_indexer_scores_compiles_sm90a(heads, dim):
     from nvfp4_megamoe.kernels.cute_host import compile_op
-    from nvfp4_megamoe.kernels.sm90_attention_indexer import Sm90IndexerScores, kernel_fits
+    from nvfp4_megamoe.kernels.sm90_indexer import Sm90IndexerScores
     b, n = 2, 300
     args = [torch.zeros(b, heads, dim, dtype=torch.bfloat16), torch.zeros(b, n, dim, dtype=torch.bfloat16),
             torch.zeros(b, heads), torch.zeros(b, dtype=torch.int32), torch.zeros(b, n, dtype=torch.int64),
             torch.zeros(1, 4, dtype=torch.int32)]
     assert compile_op(Sm90IndexerScores(heads=heads, dim=dim), args) is not None
-    assert not kernel_fits(12, 128) and not kernel_fits(64, 96) and not kernel_fits(256, 512)
-    from nvfp4_megamoe.kernels.sm90_attention_indexer import (SORT_SIZES, Sm90SortTopk, sort_levels, sort_size,
-                                                              warmup_indexer)
+    fits = Sm90IndexerScores.can_implement
+    assert not fits(12, 128) and not fits(64, 96) and not fits(256, 512)
+    from nvfp4_megamoe.kernels.sm90_indexer import (SORT_SIZES, Sm90SortTopk, sort_levels, sort_size,
+                                                    topk_can_implement, warmup)
     if (heads, dim) == (64, 128):  # V4's index heads: the score kernel, every sort size and the segment pass
-        assert warmup_indexer(heads, dim, 512, "cpu") == 2 + len(SORT_SIZES)
-        assert warmup_indexer(heads, dim, 4096, "cpu") == 2                     # no segment pass for k > 2048
+        assert warmup(heads, dim, 512, "cpu") == 2 + len(SORT_SIZES)
+        assert warmup(heads, dim, 4096, "cpu") == 2                     # no segment pass for k > 2048
+    assert topk_can_implement(4096, 4096) and not topk_can_implement(4097, 4096) and topk_can_implement(10 ** 6, 2048)
     assert [sort_size(n, 512) for n in (1, 2048, 2049, 4096, 4097)] == [2048, 2048, 4096, 4096, None]
     # each segment pass keeps k of every 4,096 keys until one sort holds the rest
     assert sort_levels(4096, 512) == [] and sort_levels(4097, 512) == [1024]
@@ -188,11 +192,14 @@ def test_bad_configuration_rejected():
     from nvfp4_megamoe.kernels.sm90_decode_attention import Sm90DecodeAttention
     with pytest.raises(ValueError, match="mode"):
         Sm90DecodeAttention(mode="nope", scale=1.0)
-    with pytest.raises(ValueError, match="chunk"):
-        Sm90DecodeAttention(mode="dense", scale=1.0, chunk=48)
-    with pytest.raises(ValueError, match="shared memory"):
-        Sm90DecodeAttention(mode="dense", scale=1.0, chunk=64, stages=3)
     with pytest.raises(ValueError, match="cluster must be"):
         Sm90DecodeAttention(mode="dense", scale=1.0, cluster=3)
-    with pytest.raises(ValueError, match="O tile"):  # Q + a 2 x 16-entry ring are smaller than the O tile
-        Sm90DecodeAttention(mode="dense", scale=1.0, chunk=16, stages=2, cluster=4)
+    assert Sm90DecodeAttention.can_implement(64, 512) and Sm90DecodeAttention.can_implement(128, 512)
+    assert not Sm90DecodeAttention.can_implement(32, 512) and not Sm90DecodeAttention.can_implement(64, 256)
+
+
+def test_sort_topk_pays_where_measured():
+    """One CTA up to 4,096 keys; segment passes up to 2**20 keys in all; torch.topk beyond."""
+    from nvfp4_megamoe.kernels.sm90_heuristics import sort_topk_pays
+    assert sort_topk_pays(1024, 4096, 512) and sort_topk_pays(8, 131072, 1024) and sort_topk_pays(1, 1 << 20, 512)
+    assert not sort_topk_pays(16, 131072, 512)

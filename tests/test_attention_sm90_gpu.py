@@ -65,17 +65,17 @@ CASES = [  # b, h, n (compressed entries), k (indices), mode, splits (None: heur
 ]
 
 
-TILINGS = {  # decode_attention pipeline options: the default ring and the smaller chunks
-    "c64x2": {},
-    "c32x4": {"chunk": 32, "stages": 4},
-    "c16x8": {"chunk": 16, "stages": 8},
-}
+def indexer_topk(q, keys, weights, k, n_valid=None):
+    """The GPU backend's indexer top-k (the kernels where they apply, as the runtime runs it)."""
+    from nvfp4_megamoe.runtime.hopper import HopperBackend
+    nv = torch.full((q.shape[0],), keys.shape[1], device=q.device) if n_valid is None else n_valid
+    return HopperBackend().indexer_topk(q, keys, weights, k, nv)
 
 
 def check_against_reference(b: int, h: int, n: int, k: int | None, mode: str, seed: int, **options) -> None:
-    """``decode_attention(**options)`` into a NaN-poisoned output: every element written, relative error
+    """``sm90_decode_attention(**options)`` into a NaN-poisoned output: every element written, relative error
     to the float32 reference below 1e-2."""
-    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
+    from nvfp4_megamoe.kernels.sm90_decode_attention import sm90_decode_attention as decode_attention
     q, kvw, wlen, kvc, idx, sink = make_case(b, h, n, k, mode, seed=seed)
     ref = decode_attention_reference(q, kvw, wlen, kvc, idx, sink, SCALE)
     out = torch.full((b, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -86,47 +86,41 @@ def check_against_reference(b: int, h: int, n: int, k: int | None, mode: str, se
     assert err < 1e-2, f"relative error {err:.3e}"
 
 
-@pytest.mark.parametrize("tiling", TILINGS)
 @pytest.mark.parametrize("b,h,n,k,mode,splits", CASES)
-def test_decode_attention_matches_reference(b, h, n, k, mode, splits, tiling):
-    check_against_reference(b, h, n, k, mode, b * 1000 + h + n, splits=splits, **TILINGS[tiling])
+def test_decode_attention_matches_reference(b, h, n, k, mode, splits):
+    check_against_reference(b, h, n, k, mode, b * 1000 + h + n, splits=splits)
 
 
 CLUSTER_CASES = [  # b, h, n, k, mode, cluster (= the splits of a head block)
-    (1, 64, 1024, 512, "indexed", 16),
-    (1, 64, 1024, 512, "indexed", 8),
+    (1, 64, 1024, 512, "indexed", 4),
     (3, 64, 300, 100, "indexed", 2),
     (2, 128, 8192, None, "dense", 4),
-    (2, 64, 40, None, "dense", 8),            # more splits than chunks: empty CTAs still merge
+    (2, 64, 40, None, "dense", 4),            # more splits than chunks: empty CTAs still merge
     (8, 64, 0, None, "window", 4),
     (5, 128, 2000, 1024, "indexed", 4),
 ]
 
 
-@pytest.mark.parametrize("tiling", ["c64x2", "c32x4"])
 @pytest.mark.parametrize("b,h,n,k,mode,cluster", CLUSTER_CASES)
-def test_cluster_merge_matches_reference(b, h, n, k, mode, cluster, tiling):
-    check_against_reference(b, h, n, k, mode, b * 100 + cluster, cluster=cluster, **TILINGS[tiling])
+def test_cluster_merge_matches_reference(b, h, n, k, mode, cluster):
+    check_against_reference(b, h, n, k, mode, b * 100 + cluster, cluster=cluster)
 
 
 def test_all_masked_gives_zero_and_sink_only():
     """No valid entry at all: the sink takes all the mass, the output is 0 (not NaN)."""
-    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
+    from nvfp4_megamoe.kernels.sm90_decode_attention import sm90_decode_attention as decode_attention
     q, kvw, wlen, kvc, idx, sink = make_case(2, 64, 256, 64, "indexed", seed=7)
     wlen.zero_()
     idx.fill_(-1)
     for splits, cluster in ((1, 1), (3, 1), (4, 4), (2, 2)):
-        for name, tiling in TILINGS.items():
-            if cluster > 1 and name == "c16x8":
-                continue
-            out = torch.full((2, 64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-            decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, splits=splits, cluster=cluster, **tiling)
-            torch.cuda.synchronize()
-            assert bool((out == 0).all()), (tiling, splits, cluster)
+        out = torch.full((2, 64, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, splits=splits, cluster=cluster)
+        torch.cuda.synchronize()
+        assert bool((out == 0).all()), (splits, cluster)
 
 
 def test_graph_capture_replays():
-    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
+    from nvfp4_megamoe.kernels.sm90_decode_attention import sm90_decode_attention as decode_attention
     q, kvw, wlen, kvc, idx, sink = make_case(4, 64, 1024, 512, "indexed", seed=11)
     out = torch.empty(4, 64, 512, dtype=torch.bfloat16, device="cuda")
     decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out)             # warm-up: compile + workspaces
@@ -142,7 +136,6 @@ def test_graph_capture_replays():
 
 @pytest.mark.parametrize("b,n,k", [(4, 1024, 512), (2, 5000, 1024), (3, 300, 512)])
 def test_indexer_topk_gpu(b, n, k):
-    from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_topk
     gen = torch.Generator(device="cuda").manual_seed(n)
     q = torch.randn(b, 64, 128, device="cuda", generator=gen).bfloat16()
     keys = torch.randn(b, n, 128, device="cuda", generator=gen).bfloat16()
@@ -166,8 +159,10 @@ def test_indexer_topk_gpu(b, n, k):
 def test_indexer_scores_kernel_matches_float32_reference(b, h, d, n, short):
     """The fused score kernel (keys streamed once, int64 order keys out) against the float32 reference,
     -inf past n_valid."""
-    from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_keys, kernel_fits, scores_of_key
-    assert kernel_fits(h, d)
+    from nvfp4_megamoe.kernels.indexer_keys import scores_of_key
+    from nvfp4_megamoe.kernels.sm90_indexer import Sm90IndexerScores
+    from nvfp4_megamoe.kernels.sm90_indexer import sm90_indexer_keys as indexer_keys
+    assert Sm90IndexerScores.can_implement(h, d)
     gen = torch.Generator(device="cuda").manual_seed(b * n + h)
     q = torch.randn(b, h, d, device="cuda", generator=gen).bfloat16()
     keys = torch.randn(b, n, d, device="cuda", generator=gen).bfloat16()
@@ -186,7 +181,8 @@ def test_indexer_scores_kernel_matches_float32_reference(b, h, d, n, short):
 
 def test_indexer_kernel_ties_pick_lower_index():
     """All-zero queries: every score is +0.0 (no -0.0 from negative weights), so the top-k is the first k."""
-    from nvfp4_megamoe.kernels.sm90_attention_indexer import indexer_keys, indexer_topk, scores_of_key
+    from nvfp4_megamoe.kernels.indexer_keys import scores_of_key
+    from nvfp4_megamoe.kernels.sm90_indexer import sm90_indexer_keys as indexer_keys
     q = torch.zeros(2, 64, 128, dtype=torch.bfloat16, device="cuda")
     keys = torch.randn(2, 300, 128, device="cuda").bfloat16()
     wts = -torch.rand(2, 64, device="cuda")
@@ -197,20 +193,21 @@ def test_indexer_kernel_ties_pick_lower_index():
 
 @pytest.mark.parametrize("b,n,k", [(1, 1024, 512), (3, 4096, 1024), (2, 77, 512), (130, 640, 512), (1, 1, 8),
                                    (2, 2049, 512), (1, 4097, 512), (2, 16384, 512), (3, 70001, 1024),
-                                   (1, 262144, 512), (2, 5000, 2048), (1, 9000, 3000), (5, 262144, 512)])
+                                   (1, 262144, 512), (2, 5000, 2048), (5, 262144, 512)])
 def test_sort_topk_kernel_equals_torch_topk(b, n, k):
     """Bitonic top-k (every sort size, and 1 to 3 segment passes for longer lists) against torch.topk on
     the same keys: the same indices, in the same order, -1 for -inf scores and past N; with many equal
     scores (ties by index)."""
-    from nvfp4_megamoe.kernels.sm90_attention_indexer import (SEGMENT_PASS_MAX_KEYS, ordered_key, topk_of_keys,
-                                                              topk_of_keys_torch, uses_sort_kernel)
+    from nvfp4_megamoe.kernels.indexer_keys import ordered_key, topk_of_keys_torch
+    from nvfp4_megamoe.kernels.sm90_indexer import sm90_topk_of_keys as topk_of_keys
+    from nvfp4_megamoe.kernels.sm90_indexer import topk_can_implement
     gen = torch.Generator(device="cuda").manual_seed(b * n + k)
     scores = torch.randn(b, n, device="cuda", generator=gen).round()         # few distinct values: ties
     scores[torch.rand(b, n, device="cuda", generator=gen) < 0.3] = float("-inf")
     if n == 4097:
         scores[:, 100:] = float("-inf")                                      # fewer visible than k, in two segments
     key = ordered_key(scores)
-    assert uses_sort_kernel(key, k) == (n <= 4096 or (k <= 2048 and b * n <= SEGMENT_PASS_MAX_KEYS))
+    assert topk_can_implement(n, k)
     out = topk_of_keys(key, k)
     want = topk_of_keys_torch(key, k)
     assert torch.equal(out, want)

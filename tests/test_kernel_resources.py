@@ -1,7 +1,10 @@
-"""CI (CPU-only) guard on what ptxas gives the Hopper kernels: every configuration the runtime can launch for
-V4-Flash and V4-Pro (the MoE configurations ``Sm90NvFp4MoE.warmup`` compiles up to 8192 tokens, decode attention
-with its clusters and combine, the indexer, the mHC weights) is compiled for sm_90a and its cubin read
-(``kernel_resources_probe.py``, in a fresh interpreter).
+"""CI (CPU-only) guard on what ptxas gives the Hopper kernels: the configurations the runtime can launch for V4-Flash
+and V4-Pro (the MoE plans ``Sm90Nvfp4Moe.warmup`` compiles up to 8192 tokens, decode attention with its clusters and
+combine, the indexer, the mHC weights) are compiled for sm_90a and their cubins read (``kernel_resources_probe.py``,
+in fresh interpreters, several at once).
+
+The CPU suite compiles one GEMM per configuration that differs only in its token tile (the widest tile, whose
+accumulators take the most registers) and every other kernel; ``-m slow`` compiles every configuration.
 
 Spills (a stack frame) and registers past the CTAs per SM a kernel is designed for cost time silently: with
 the row tiles interleaved at every T, the V4-Flash decode L2 took 138 registers instead of 128 (3 CTAs per SM
@@ -11,6 +14,7 @@ instead of 4) and T = 16 / 64 ran 5-7 % slower (docs/benchmarks.md).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,10 +32,12 @@ def max_registers(ctas: int, threads: int) -> int:
     return min(255, 65536 // (ctas * threads) // 8 * 8)
 
 
-@pytest.fixture(scope="module")
-def resources(tmp_path_factory) -> dict:
+@pytest.fixture(scope="module", params=[pytest.param(False, id="widest-tiles"),
+                                        pytest.param(True, id="every-config", marks=pytest.mark.slow)])
+def resources(request, tmp_path_factory) -> dict:
     dump = tmp_path_factory.mktemp("cubins")
-    run = subprocess.run([sys.executable, str(PROBE), str(dump)], capture_output=True, text=True, timeout=1800)
+    cmd = [sys.executable, str(PROBE), str(dump), "--jobs", str(min(8, os.cpu_count() or 1))]
+    run = subprocess.run(cmd + (["--all"] if request.param else []), capture_output=True, text=True, timeout=3000)
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -44,7 +50,7 @@ def test_the_probe_sees_a_spill(resources):
 def test_no_kernel_the_runtime_launches_spills(resources):
     kernels = resources["kernels"]
     assert len(kernels) >= 60 and {k["kernel"] for k in kernels} >= {
-        "Sm90Nvfp4GroupedGemm", "Sm90Nvfp4WgmmaGemm", "Sm90MoeRouting", "Sm90StagedOrder", "Sm90DecodeAttention",
+        "Sm90Nvfp4MmaGemm", "Sm90Nvfp4WgmmaGemm", "Sm90MoeRouting", "Sm90StagedOrder", "Sm90DecodeAttention",
         "Sm90DecodeAttentionCombine", "Sm90IndexerScores", "Sm90SortTopk", "Sm90HcWeights"}
     spilled = [f'{k["kernel"]} {k["key"]}: {k["frame_bytes"]} bytes' for k in kernels if k["frame_bytes"]]
     assert not spilled, "kernels with a stack frame (register spills):\n" + "\n".join(spilled)
@@ -55,7 +61,7 @@ def test_kernels_fit_the_ctas_per_sm_they_are_built_for(resources):
     for k in resources["kernels"]:
         if not k["threads"]:
             continue
-        ctas = k["min_ctas"] or (DECODE_CTAS_PER_SM if k["kernel"] == "Sm90Nvfp4GroupedGemm" else 1)
+        ctas = k["min_ctas"] or (DECODE_CTAS_PER_SM if k["kernel"] == "Sm90Nvfp4MmaGemm" else 1)
         if k["registers"] > max_registers(ctas, k["threads"]):
             too_big.append(f'{k["kernel"]} {k["key"]}: {k["registers"]} registers, {ctas} CTAs of {k["threads"]}')
     assert not too_big, "kernels that no longer fit their CTAs per SM:\n" + "\n".join(too_big)

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 from nvfp4_megamoe.kernels.mhc_reference import hc_weights  # noqa: E402
-from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcWeights, hc_weights_sm90  # noqa: E402
+from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcWeights, sm90_hc_weights  # noqa: E402
 from sm90_stand_ins import hc_weights_args  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def test_hc_weights_kernel_matches_reference(lead, hc, iters):
     mixes = torch.randn(*lead, m, device="cuda", generator=gen) * 4        # saturated sigmoids too
     base = torch.randn(m, device="cuda", generator=gen)
     scale = torch.rand(3, device="cuda", generator=gen) + 0.5
-    got = hc_weights_sm90(mixes, base, scale, hc=hc, iters=iters, hc_eps=1e-6)
+    got = sm90_hc_weights(mixes, base, scale, hc=hc, iters=iters, hc_eps=1e-6)
     want = hc_weights(mixes.double(), base.double(), scale.double(), hc=hc, iters=iters, hc_eps=1e-6)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == torch.float32

@@ -39,14 +39,67 @@ def _weights(shape: str) -> dict:
     return _WEIGHTS[shape]
 
 
-def _layer(shape: str, tuning: dict | None = None, tiles: bool = False):
-    from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
-    key = (shape, repr(tuning), tiles)
+def _layer(shape: str, planner=None, tiles: bool = False):
+    """The layer of a shape, with the default heuristics or a test planner (``planner``: a name in ``PLANNERS``)."""
+    from nvfp4_megamoe.kernels.sm90_config import MoeShape
+    from nvfp4_megamoe.kernels.sm90_moe import Sm90Nvfp4Moe
+    key = (shape, planner, tiles)
     if key not in _LAYERS:
         h, i, e, k = SHAPES[shape]
-        _LAYERS[key] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=10.0,
-                                    max_tokens=8192, tuning=tuning, weight_tiles=tiles)
+        kwargs = {} if planner is None else {"planner": PLANNERS[planner]}
+        _LAYERS[key] = Sm90Nvfp4Moe(MoeShape(h, i, e, k, 10.0, tiles), max_tokens=8192, **kwargs)
     return _LAYERS[key]
+
+
+def _tweaked(**changes):
+    """A planner: the heuristics' plan with fields of its tilings replaced (``sm90_stand_ins.tweak``)."""
+    from nvfp4_megamoe.kernels.sm90_heuristics import moe_plan
+    from sm90_stand_ins import tweak
+    wgmma = changes.pop("wgmma", None)
+    return lambda shape, t, sms: tweak(moe_plan(shape, t, sms, wgmma=wgmma), **changes)
+
+
+def _routed(shape, t, sms):
+    """One token through the routing kernel too (as a rank holding part of the experts runs it)."""
+    import dataclasses
+    from nvfp4_megamoe.kernels.sm90_heuristics import moe_plan
+    return moe_plan(dataclasses.replace(shape, distinct_experts=False), t, sms)
+
+
+def _direct_up_to_8(shape, t, sms):
+    """The direct plan of T = 4 (no routing kernel, one tile per pair) for up to 8 tokens: experts repeat."""
+    from nvfp4_megamoe.kernels.sm90_heuristics import moe_plan
+    return moe_plan(shape, min(t, 4) if t <= 8 else t, sms)
+
+
+def _wgmma_n64_from_16(shape, t, sms):
+    """The WGMMA path with N = 64 and MMA widths from 16."""
+    import dataclasses
+    from nvfp4_megamoe.kernels import sm90_heuristics as heur
+    plan = heur.moe_plan(shape, t, sms, wgmma=True)
+    return dataclasses.replace(
+        plan, routing_tile=64,
+        l1=dataclasses.replace(plan.l1, tiling=heur.wgmma_tiling(64, 16, shape.hidden, shape.hidden, sms)),
+        l2=dataclasses.replace(plan.l2, tiling=heur.wgmma_tiling(64, 16, shape.hidden, shape.intermediate, sms)))
+
+
+PLANNERS = {
+    "wgmma": _tweaked(wgmma=True), "mma": _tweaked(wgmma=False),
+    "wgmma-depth2": _tweaked(wgmma=True, both=dict(depth=2)),
+    "rows2": _tweaked(both=dict(row_tiles=2, depth=2, max_ctas=0), l1=dict(k_warps=1)),
+    "rows1": _tweaked(both=dict(row_tiles=1, depth=4, interleave_rows=False)),
+    "small-rows2": _tweaked(both=dict(row_tiles=2, depth=2)),
+    "interleaved": _tweaked(both=dict(interleave_rows=True)), "not-interleaved": _tweaked(both=dict(interleave_rows=False)),
+    "routed": _routed, "direct-to-8": _direct_up_to_8,
+    "block-columns": _tweaked(both=dict(block_columns=True)),
+    "scaled-weights-rows1": _tweaked(both=dict(block_columns=False, row_tiles=1, depth=4, interleave_rows=False)),
+    "x-global": _tweaked(l1=dict(stage_x=False)),
+    "l2-k-warps": _tweaked(l2=dict(k_warps=2, depth=2)), "small-l2-k-warps": _tweaked(l2=dict(k_warps=2, depth=1)),
+    "routed-k-warps": _tweaked(both=dict(k_warps=2, depth=2, row_tiles=1, interleave_rows=False)),
+    "no-pdl": _tweaked(both=dict(pdl=False, max_ctas=0)),
+    "one-width": _tweaked(both=dict(min_tokens=0)), "wgmma-widths-from-32": _tweaked(wgmma=True, both=dict(min_tokens=32)),
+    "wgmma-n64": _wgmma_n64_from_16,
+}
 
 
 def routing(t: int, e: int, k: int, kind: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,88 +118,67 @@ def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # the WGMMA (prefill) kernels forced at any T, and the mma.sync kernels forced at prefill sizes
 FORCED = [
-    ("small", 1, "uniform", True), ("small", 130, "skewed", True), ("small", 1001, "uniform", True),
-    ("small", 1001, "uniform", False), ("flash", 5, "uniform", True), ("flash", 64, "skewed", True),
-    ("flash", 333, "uniform", True), ("flash", 1500, "uniform", True), ("flash", 2800, "uniform", True),
-    ("flash", 3400, "skewed", True), ("flash", 8192, "skewed", True),
-    ("pro", 256, "uniform", True), ("pro", 4095, "uniform", True), ("pro", 4095, "uniform", False),
+    ("small", 1, "uniform", "wgmma"), ("small", 130, "skewed", "wgmma"), ("small", 1001, "uniform", "wgmma"),
+    ("small", 1001, "uniform", "mma"), ("flash", 5, "uniform", "wgmma"), ("flash", 64, "skewed", "wgmma"),
+    ("flash", 333, "uniform", "wgmma"), ("flash", 1500, "uniform", "wgmma"), ("flash", 2800, "uniform", "wgmma"),
+    ("flash", 3400, "skewed", "wgmma"), ("flash", 8192, "skewed", "wgmma"),
+    ("pro", 256, "uniform", "wgmma"), ("pro", 4095, "uniform", "wgmma"), ("pro", 4095, "uniform", "mma"),
 ]
 
 
-@pytest.mark.parametrize("shape,tokens,kind,wgmma", FORCED)
-def test_moe_kernel_paths_match_reference(shape, tokens, kind, wgmma):
-    test_moe_matches_reference(shape, tokens, kind, tuning={"wgmma": wgmma})
+@pytest.mark.parametrize("shape,tokens,kind,planner", FORCED)
+def test_moe_kernel_paths_match_reference(shape, tokens, kind, planner):
+    test_moe_matches_reference(shape, tokens, kind, planner=planner)
 
 
-# PDL chain (with and without the L2 prefetch of L2's weights), L2 load hints, split-K and deeper pipelines
-TUNED = [
-    ("flash", 1, "uniform", {"pdl": True, "pdl_prefetch": True, "l2_prefetch": 256}),
-    ("flash", 64, "skewed", {"pdl": True, "l2_prefetch": 128, "depth": 8}),
-    ("small", 130, "skewed", {"pdl": True, "pdl_prefetch": True, "l2": {"split_k": 2}}),
-    ("pro", 7, "skewed", {"pdl": True, "l2_prefetch": 256, "l2": {"split_k": 2}}),
-    ("flash", 333, "uniform", {"wgmma": True, "wg": {"l2_prefetch": 256, "depth": 2}}),
-    ("pro", 4095, "uniform", {"wg": {"l2_prefetch": 256}}),
-    ("flash", 1, "uniform", {"row_tiles": 2, "depth": 2}),
-    ("flash", 64, "skewed", {"row_tiles": 1, "depth": 4, "pdl": True}),
-    ("small", 130, "skewed", {"row_tiles": 2, "pdl": True, "pdl_prefetch": True}),
+# valid configurations the heuristics do not pick at these T: each configuration field away from its default
+VARIANTS = [
+    ("flash", 333, "uniform", "wgmma-depth2"),
+    ("flash", 1, "uniform", "rows2"), ("flash", 64, "skewed", "rows1"), ("small", 130, "skewed", "small-rows2"),
     # the decode GEMMs' row tiles interleaved past the default T, and not interleaved below it
-    ("flash", 64, "skewed", {"interleave_max_tokens": 64}),
-    ("pro", 4, "uniform", {"interleave_max_tokens": 0}),
-    ("flash", 1, "uniform", {"direct": False}),    # one token through the routing kernel (default: direct)
-    ("pro", 1, "skewed", {"direct": False}),
-    # several tokens as one tile per routed pair (no routing kernel), experts repeated across tokens
-    ("small", 3, "skewed", {"block_columns": False}),
-    ("flash", 4, "skewed", {"direct_max_tokens": 8}),
-    ("pro", 7, "uniform", {"direct_max_tokens": 8}),
-    # the direct path with the block scales on the fp32 partial sums with one row tile (default: with two), and
-    # on the decoded weights with two
-    ("flash", 1, "uniform", {"block_columns": True}),
-    ("pro", 2, "skewed", {"block_columns": False, "row_tiles": 1, "depth": 4}),
-    # the direct L1 reading x from global memory (default: staged in shared memory, ``stage_x``), and staged
-    # with 8 k-tiles of weights in flight
-    ("flash", 1, "uniform", {"stage_x": False}),
-    ("pro", 4, "skewed", {"stage_x": False}),
-    ("flash", 1, "uniform", {"block_columns": True, "l1": {"depth": 8}}),
+    ("flash", 64, "skewed", "interleaved"), ("pro", 4, "uniform", "not-interleaved"),
+    ("flash", 1, "uniform", "routed"), ("pro", 1, "skewed", "routed"),  # one token through the routing kernel
+    ("pro", 7, "uniform", "direct-to-8"),  # several tokens as one tile per routed pair, experts repeated
+    # the block scales on the fp32 partial sums with one row tile (default: with two), and on the decoded weights
+    # with two
+    ("flash", 1, "uniform", "block-columns"), ("pro", 2, "skewed", "scaled-weights-rows1"),
+    # the direct L1 reading x from global memory (default: staged in shared memory, ``stage_x``)
+    ("flash", 1, "uniform", "x-global"), ("pro", 4, "skewed", "x-global"),
     # two warps per row group, each summing half of K (L1 by default at T = 1; L2 too; direct with a repeated
     # expert; routed)
-    ("flash", 1, "uniform", {"l2": {"k_warps": 2, "depth": 2}}),
-    ("small", 3, "skewed", {"k_warps": 2, "l2": {"k_warps": 2}}),
-    ("flash", 16, "skewed", {"k_warps": 2, "min_ctas": 2, "l2": {"k_warps": 2}}),
-    # direct calls with L2 launched after L1 (default: early, PDL, waiting for L1 after its first weight loads; with
-    # one row tile capped at 3 CTAs per SM), and early with the L2 prefetch
-    ("flash", 1, "uniform", {"pdl": False, "max_ctas": 0}),
-    ("pro", 4, "skewed", {"pdl": True, "pdl_prefetch": True}),
-    # the WGMMA kernels with one MMA width (default from N = 64: one k-tile loop per width), and widths in steps of 8
-    ("pro", 4095, "uniform", {"wgmma_tile_tokens": 80}),
-    ("flash", 3400, "skewed", {"wgmma": True, "wg": {"min_tokens": 32, "width_step": 8}}),
-    ("small", 1001, "uniform", {"wgmma": True, "wgmma_tile_tokens": 64, "wg": {"min_tokens": 16}}),
+    ("flash", 1, "uniform", "l2-k-warps"), ("small", 3, "skewed", "small-l2-k-warps"),
+    ("flash", 16, "skewed", "routed-k-warps"),
+    # direct calls with L2 launched after L1 (default: early, PDL, waiting for L1 after its first weight loads)
+    ("flash", 1, "uniform", "no-pdl"),
+    # the WGMMA kernels with one MMA width (default from N = 64: one k-tile loop per width), widths from 32, N = 64
+    ("pro", 4095, "uniform", "one-width"), ("flash", 3400, "skewed", "wgmma-widths-from-32"),
+    ("small", 1001, "uniform", "wgmma-n64"),
 ]
 
 
-@pytest.mark.parametrize("shape,tokens,kind,tuning", TUNED)
-def test_moe_tunings_match_reference(shape, tokens, kind, tuning):
-    test_moe_matches_reference(shape, tokens, kind, tuning=tuning)
+@pytest.mark.parametrize("shape,tokens,kind,planner", VARIANTS)
+def test_moe_variants_match_reference(shape, tokens, kind, planner):
+    test_moe_matches_reference(shape, tokens, kind, planner=planner)
 
 
-# weights in Hopper row tiles (converter --target sm90): both kernel families, direct and routed, PDL prefetch
+# weights in Hopper row tiles (converter --target sm90): both kernel families, direct and routed
 TILED = [
-    ("flash", 1, "uniform", None), ("flash", 4, "skewed", None), ("pro", 1, "uniform", None),
-    ("pro", 7, "skewed", None), ("flash", 64, "uniform", None), ("small", 130, "skewed", {"pdl": True, "pdl_prefetch": True}),
-    ("flash", 3400, "skewed", None), ("pro", 4095, "uniform", None),
+    ("flash", 1, "uniform"), ("flash", 4, "skewed"), ("pro", 1, "uniform"), ("pro", 7, "skewed"),
+    ("flash", 64, "uniform"), ("small", 130, "skewed"), ("flash", 3400, "skewed"), ("pro", 4095, "uniform"),
 ]
 
 
-@pytest.mark.parametrize("shape,tokens,kind,tuning", TILED)
-def test_moe_with_row_tiles_matches_reference(shape, tokens, kind, tuning):
-    test_moe_matches_reference(shape, tokens, kind, tuning=tuning, tiles=True)
+@pytest.mark.parametrize("shape,tokens,kind", TILED)
+def test_moe_with_row_tiles_matches_reference(shape, tokens, kind):
+    test_moe_matches_reference(shape, tokens, kind, tiles=True)
 
 
 @pytest.mark.parametrize("shape,tokens,kind", CASES)
-def test_moe_matches_reference(shape, tokens, kind, tuning=None, tiles=False):
+def test_moe_matches_reference(shape, tokens, kind, planner=None, tiles=False):
     from nvfp4_megamoe.kernels.row_tiles import tile_expert_weights
     h, i, e, k = SHAPES[shape]
     w = _weights(shape)
-    layer = _layer(shape, tuning, tiles)
+    layer = _layer(shape, planner, tiles)
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, h, device="cuda", generator=gen).to(torch.bfloat16)
     ids, wts = routing(tokens, e, k, kind, gen)
@@ -184,12 +216,12 @@ def test_direct_moe_holds_for_small_and_large_activations(shape, tokens, scale):
 
 
 @pytest.mark.parametrize("t", [37, 1])
-# {"wgmma": True}: the routing captured on the side stream, beside the permute of x
-@pytest.mark.parametrize("tuning", [None, {"pdl": True, "pdl_prefetch": True}, {"wgmma": True}])
-def test_moe_int32_ids_and_cuda_graph(tuning, t):
+# "wgmma": the routing captured on the side stream, beside the permute of x
+@pytest.mark.parametrize("planner", [None, "wgmma"])
+def test_moe_int32_ids_and_cuda_graph(planner, t):
     h, i, e, k = SHAPES["small"]
     w = _weights("small")
-    layer = _layer("small", tuning)
+    layer = _layer("small", planner)
     gen = torch.Generator(device="cuda").manual_seed(99)
     x = torch.randn(t, h, device="cuda", generator=gen).to(torch.bfloat16)
     ids, wts = routing(t, e, k, "uniform", gen)
@@ -232,13 +264,13 @@ def test_staged_order_kernel_equals_to_order(t, kdim):
 @pytest.mark.parametrize("n,kdim,t,subnormal", [(1024, 4096, 1, 0.02), (4096, 2048, 33, 0.02), (512, 1024, 9, 1.0)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_dense_linear(n, kdim, t, subnormal, out_dtype):
-    from nvfp4_megamoe.kernels.sm90_moe import nvfp4_linear_sm90
+    from nvfp4_megamoe.kernels.sm90_nvfp4_linear import sm90_nvfp4_linear
     gen = torch.Generator(device="cuda").manual_seed(n + t)
     w = random_moe_weights(1, kdim, n // 2, generator=gen, device="cuda", subnormal_fraction=subnormal)
     weight, scale, alpha = w["w13"][0], w["w13_scale"][0], w["w13_alpha"][0, 0].reshape(())
     x = torch.randn(t, kdim, device="cuda", generator=gen).to(torch.bfloat16)
     out = torch.full((t, n), float("nan"), device="cuda", dtype=out_dtype)
-    nvfp4_linear_sm90(x, weight, scale, alpha, out=out)
+    sm90_nvfp4_linear(x, weight, scale, alpha, out=out)
     torch.cuda.synchronize()
     ref = nvfp4_linear(x, weight, scale, alpha)
     assert torch.isfinite(out.float()).all()
@@ -248,11 +280,12 @@ def test_dense_linear(n, kdim, t, subnormal, out_dtype):
 def test_no_call_compiles_after_warmup():
     """After ``warmup`` no token count up to ``max_tokens`` compiles (so a graph capture never does)."""
     from nvfp4_megamoe.kernels import cute_host
-    from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
+    from nvfp4_megamoe.kernels.sm90_config import MoeShape
+    from nvfp4_megamoe.kernels.sm90_moe import Sm90Nvfp4Moe
 
     h, i, e, k = SHAPES["small"]
     w = _weights("small")
-    layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=10.0, max_tokens=300)
+    layer = Sm90Nvfp4Moe(MoeShape(h, i, e, k, 10.0), max_tokens=300)
     assert layer.warmup() >= 2
     compiled = len(cute_host._COMPILED)
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -270,13 +303,14 @@ def test_kernels_loaded_from_the_disk_cache_compute_the_same(tmp_path, monkeypat
     import cutlass.cute as cute
 
     from nvfp4_megamoe.kernels import cute_host
-    from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
+    from nvfp4_megamoe.kernels.sm90_config import MoeShape
+    from nvfp4_megamoe.kernels.sm90_moe import Sm90Nvfp4Moe
 
     monkeypatch.setenv(cute_host.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cute_host, "_COMPILED", {})
     h, i, e, k = SHAPES["small"]
     w = _weights("small")
-    layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=10.0, max_tokens=64)
+    layer = Sm90Nvfp4Moe(MoeShape(h, i, e, k, 10.0), max_tokens=64)
     gen = torch.Generator(device="cuda").manual_seed(11)
     x = torch.randn(29, h, device="cuda", generator=gen).to(torch.bfloat16)
     ids, wts = routing(29, e, k, "skewed", gen)

@@ -1,13 +1,13 @@
-"""Lightning-indexer top-k for CSA decode on the GPU (one query per request).
+"""Lightning-indexer top-k for CSA decode on Hopper (sm_90a), one query per request: the score kernel and the
+sort kernel, and their host wrappers.
 
 ``score[b, n] = sum_h w[b, h] * ReLU(q[b, h] . k[b, n]) * h**-0.5 * d**-0.5`` over the visible entries
 ``n < n_valid[b]`` (contract of ``indexer_reference.indexer_scores`` / ``select_topk`` with T = 1),
 then the ``k`` best entries as int32 indices, **-1 padding** where fewer than ``k`` are visible (the
 operand ``decode_attention`` takes).
 
-Order: every score becomes an int64 key, its order-preserving bits above the complemented entry index
-(:func:`ordered_key`, inverse :func:`scores_of_key`), so one ``topk`` on the keys picks the best and,
-among equal scores, the **lower index** (the reference's rule) whatever ``topk``'s own tie order.
+Order: the int64 keys of ``indexer_keys`` (:func:`~nvfp4_megamoe.kernels.indexer_keys.ordered_key`): one ``topk``
+on them picks the best, ties to the lower index.
 
 Top-k, on sm_90a: :class:`Sm90SortTopk` sorts up to 4,096 keys per CTA. A longer list is cut into
 4,096-key segments whose k best keys (one CTA each) form a list ``4096 / k`` times shorter, until one
@@ -18,9 +18,11 @@ Scores, on sm_90a: :class:`Sm90IndexerScores`, one pass over the keys. Each CTA 
 computes ``S^T = K Q^T`` for 64 keys at a time with ``wgmma`` (keys are M, the index heads N, the head
 dimension K; both operands 128-byte-swizzled in shared memory, keys in a ``cp.async`` ring), then ReLU,
 the head weights and the sum over heads in registers (two shuffles), and writes each entry's int64
-key: 8 bytes out per ``2 d`` bytes read, where the torch composition (elsewhere: CPU, other GPUs,
-other shapes) writes and rereads a float32 ``[B, h, N]`` and then builds the keys in six more ops.
-No host sync; CUDA-graph capturable.
+key: 8 bytes out per ``2 d`` bytes read, where the torch composition (``indexer_keys``) writes and rereads a
+float32 ``[B, h, N]`` and then builds the keys in six more ops. No host sync; CUDA-graph capturable.
+
+The runtime's backend decides which shapes run here (:meth:`Sm90IndexerScores.can_implement`,
+:func:`topk_can_implement`, and ``sm90_heuristics.sort_topk_pays``).
 """
 
 from __future__ import annotations
@@ -34,57 +36,17 @@ from cutlass import Float32, Int32, Int64
 from . import sm90_ptx as ptx
 from .sm90_ptx import SMEM_LIMIT
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
+from .indexer_keys import LOW_WORD, MONO_NEG_INF
 
 KEYS_PER_CHUNK = 64                    # M of one wgmma: keys per pipeline step
 ATOM = 128                             # bytes of one swizzled row (64 BF16 dims)
 THREADS = 128                          # one warpgroup
 STAGES = 4
-# compiled Sm90SortTopk sizes. Measured on an H200 (docs/benchmarks.md, the earlier shared-memory network):
-# 1,024 keys as 2,048 took ~10 us and as 4,096 ~22 us against ~40 us for torch.topk; one CTA on 16,384
-# keys took ~150 us against ~95 us, so longer lists go through segment passes of 4,096.
+# compiled Sm90SortTopk sizes; longer lists go through segment passes of 4,096 (``docs/design/decode_attention.md``)
 SORT_SIZES = (2048, 4096)
 SEGMENT = SORT_SIZES[-1]               # keys per segment of a segment pass
 SEGMENT_MAX_K = SEGMENT // 2           # the largest k a segment pass shortens the list for
-# keys (all requests) up to which segment passes beat torch.topk on longer lists. Measured on an H200
-# (docs/benchmarks.md): 16K keys x 1-32 requests and 262K x 1 1.2-2.0x faster, 2M keys in all even
-# (16K x 128) or 5 % slower (262K x 8), 8M-33M 1.3-1.5x slower.
-SEGMENT_PASS_MAX_KEYS = 1 << 20
 SORT_THREADS = 1024
-
-
-def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """BF16 x BF16 -> float32 batched product (fp32 accumulate, no BF16 rounding of the result)."""
-    if a.is_cuda:
-        try:
-            return torch.bmm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):
-            pass
-    return torch.bmm(a.float(), b.float())
-
-
-def _mono(bits: torch.Tensor) -> torch.Tensor:
-    """IEEE float32 bits (as signed ints) -> ints in the floats' order (an involution on the negatives)."""
-    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-
-
-MONO_NEG_INF = -0x800000 ^ 0x7FFFFFFF     # _mono of -inf's bits (0xFF800000): the key of a hidden entry
-
-
-LOW_WORD = 0xFFFFFFFF
-
-
-def ordered_key(scores: torch.Tensor) -> torch.Tensor:
-    """float32 scores [..., N] -> int64 keys in the scores' order, ties broken towards the lower index:
-    the score's ordered bits above the complemented entry index ``0xFFFFFFFF - n`` (independent of N, so
-    keys of different lists compare as they are; inverse: :func:`scores_of_key`)."""
-    n = scores.shape[-1]
-    rev = LOW_WORD - torch.arange(n, device=scores.device, dtype=torch.int64)
-    return (_mono(scores.contiguous().view(torch.int32).long()) << 32) | rev
-
-
-def scores_of_key(key: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`ordered_key`: int64 keys [..., N] -> the float32 scores."""
-    return _mono(key >> 32).to(torch.int32).view(torch.float32)
 
 
 def _smem_bytes(heads: int, dim: int) -> int:
@@ -92,44 +54,25 @@ def _smem_bytes(heads: int, dim: int) -> int:
     return -(-blocks * heads * ATOM // 1024) * 1024 + STAGES * blocks * KEYS_PER_CHUNK * ATOM + 1024
 
 
-def kernel_fits(heads: int, dim: int) -> bool:
+def scores_can_implement(heads: int, dim: int) -> bool:
     """Shapes :class:`Sm90IndexerScores` takes: heads a multiple of 8 up to 256 (wgmma N), dim a
     multiple of 64 (whole swizzle atoms), Q and the key ring within shared memory."""
     return (heads % 8 == 0 and 8 <= heads <= 256 and dim % 64 == 0 and dim >= 64
             and _smem_bytes(heads, dim) <= SMEM_LIMIT)
 
 
-def _use_kernel(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """The score kernel: BF16 operands on an sm_90 GPU, in a tiling it has (else the torch composition)."""
-    return (q.is_cuda and q.dtype == keys.dtype == torch.bfloat16 and kernel_fits(q.shape[1], q.shape[2])
-            and torch.cuda.get_device_capability(q.device) == (9, 0))
-
-
-def indexer_scores_torch(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
-                         n_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """The scores by torch ops: float32 [B, N], -inf beyond ``n_valid``."""
-    h, d = q.shape[1], q.shape[2]
-    n = keys.shape[1]
-    dots = _bmm_f32(q, keys.transpose(1, 2)).relu_()                         # [B, h, N]
-    w = (weights.float() * (h ** -0.5 * d ** -0.5)).unsqueeze(1)               # [B, 1, h]
-    scores = torch.bmm(w, dots).squeeze(1) + 0.0                               # [B, N]; -0.0 -> +0.0
-    if n_valid is not None:
-        visible = torch.arange(n, device=q.device)[None] < n_valid.to(q.device).long()[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-    return scores
-
-
-def indexer_keys(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
-                 n_valid: torch.Tensor | None = None) -> torch.Tensor:
+def sm90_indexer_keys(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+                      n_valid: torch.Tensor | None = None) -> torch.Tensor:
     """q bf16 [B, h, d], keys bf16 [B, N, d], weights f32 [B, h], n_valid int [B] (None: all N) ->
-    int64 [B, N] :func:`ordered_key` of the scores (-inf beyond ``n_valid``): the sm_90a kernel, which
-    writes the keys itself, where it applies, else the torch composition."""
+    int64 [B, N] ``ordered_key`` of the scores (-inf beyond ``n_valid``), written by the score kernel
+    (h, d: :meth:`Sm90IndexerScores.can_implement`)."""
     b, h, d = q.shape
     _expect(keys.dim() == 3 and keys.shape[0] == b and keys.shape[2] == d,
             f"keys must be [B={b}, N, d={d}], got {tuple(keys.shape)}")
     _expect(tuple(weights.shape) == (b, h), f"weights must be [B={b}, h={h}], got {tuple(weights.shape)}")
-    if not _use_kernel(q, keys):
-        return ordered_key(indexer_scores_torch(q, keys, weights, n_valid))
+    _expect(q.is_cuda and q.dtype == keys.dtype == torch.bfloat16 and Sm90IndexerScores.can_implement(h, d),
+            f"the score kernel takes CUDA bf16 q [B, h, d] with h a multiple of 8 up to 256 and d of 64, got "
+            f"{q.dtype} {tuple(q.shape)}")
     n = keys.shape[1]
     nv = (torch.full((b,), n, dtype=torch.int32, device=q.device) if n_valid is None
           else n_valid.to(device=q.device, dtype=torch.int32).contiguous())
@@ -151,7 +94,7 @@ def sort_size(n: int, k: int) -> int | None:
 
 
 def sort_levels(n: int, k: int) -> list[int]:
-    """List lengths the segment passes of :func:`topk_of_keys` reduce ``n`` keys through before the final
+    """List lengths the segment passes of :func:`sm90_topk_of_keys` reduce ``n`` keys through before the final
     sort (empty up to 4,096 keys): each pass keeps ``k`` of every 4,096."""
     levels = []
     while n > SEGMENT:
@@ -165,22 +108,19 @@ def segment_pass(k: int) -> "Sm90SortTopk":
     return Sm90SortTopk(k=k, entries=SEGMENT, keys_out=True)
 
 
-def uses_sort_kernel(key: torch.Tensor, k: int) -> bool:
-    """Whether :func:`topk_of_keys` runs :class:`Sm90SortTopk` (sm_90 GPU): up to 4,096 entries, or with
-    segment passes up to ``SEGMENT_PASS_MAX_KEYS`` keys in all and k <= 2,048 (each pass must shorten the
-    list)."""
-    b, n = key.shape
-    fits = sort_size(n, k) is not None or (k <= SEGMENT_MAX_K and b * n <= SEGMENT_PASS_MAX_KEYS)
-    return key.is_cuda and b > 0 and n > 0 and fits and torch.cuda.get_device_capability(key.device) == (9, 0)
+def topk_can_implement(n: int, k: int) -> bool:
+    """Whether :func:`sm90_topk_of_keys` takes lists of ``n`` keys and top-``k``: one CTA up to 4,096 keys, segment
+    passes beyond with k <= 2,048 (each pass must shorten the list)."""
+    return n > 0 and k > 0 and (sort_size(n, k) is not None or k <= SEGMENT_MAX_K)
 
 
-def topk_of_keys(key: torch.Tensor, k: int) -> torch.Tensor:
-    """int64 :func:`ordered_key` [B, N] -> int32 [B, k] indices of the k best, best first, -1 where
-    fewer than k entries are visible (score -inf). On sm_90a: :class:`Sm90SortTopk`, a segment pass per
-    :func:`sort_levels` then one sort; elsewhere ``torch.topk``."""
-    _expect(key.dtype == torch.int64 and key.dim() == 2, f"keys must be int64 [B, N], got {key.dtype} {tuple(key.shape)}")
-    if not uses_sort_kernel(key, k):
-        return topk_of_keys_torch(key, k)
+def sm90_topk_of_keys(key: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 ``ordered_key`` [B, N] (CUDA) -> int32 [B, k] indices of the k best, best first, -1 where fewer than k
+    entries are visible (score -inf): :class:`Sm90SortTopk`, a segment pass per :func:`sort_levels` then one sort
+    (N, k: :func:`topk_can_implement`). The same indices as ``indexer_keys.topk_of_keys_torch``."""
+    _expect(key.dtype == torch.int64 and key.dim() == 2 and key.is_cuda,
+            f"keys must be int64 CUDA [B, N], got {key.dtype} {tuple(key.shape)}")
+    _expect(topk_can_implement(key.shape[1], k), f"the sort kernel does not take N={key.shape[1]} keys, k={k}")
     key = key.contiguous()
     b = key.shape[0]
     for n in sort_levels(key.shape[1], k):
@@ -192,12 +132,12 @@ def topk_of_keys(key: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def warmup_indexer(heads: int, dim: int, k: int, device: torch.device | str) -> int:
+def warmup(heads: int, dim: int, k: int, device: torch.device | str) -> int:
     """Compile the score kernel (where it tiles) and every sort size for top-``k``; returns how many kernels."""
     dev = torch.device(device)
     i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
     n = 0
-    if kernel_fits(heads, dim):
+    if Sm90IndexerScores.can_implement(heads, dim):
         bf = dict(dtype=torch.bfloat16, device=dev)
         _compile(Sm90IndexerScores(heads=heads, dim=dim),
                  [torch.empty(1, heads, dim, **bf), torch.empty(1, 1, dim, **bf), torch.empty(1, heads, device=dev),
@@ -213,27 +153,9 @@ def warmup_indexer(heads: int, dim: int, k: int, device: torch.device | str) -> 
     return n
 
 
-def topk_of_keys_torch(key: torch.Tensor, k: int) -> torch.Tensor:
-    """:func:`topk_of_keys` by ``torch.topk`` (any size, any device)."""
-    b, n = key.shape
-    kk = min(k, n)
-    top = torch.topk(key, kk, dim=-1)
-    idx = torch.where((top.values >> 32) <= MONO_NEG_INF, -1, top.indices).to(torch.int32)
-    if kk < k:
-        idx = torch.cat((idx, torch.full((b, k - kk), -1, dtype=torch.int32, device=key.device)), dim=1)
-    return idx
-
-
-def indexer_topk(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,
-                 n_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """q bf16 [B, h, d] (rotated), keys bf16 [B, N, d] (rotated), weights f32 [B, h], n_valid int [B]
-    (None: all N visible) -> int32 [B, k] entry indices, -1 where fewer than k are visible."""
-    return topk_of_keys(indexer_keys(q, keys, weights, n_valid), k)
-
-
 class Sm90IndexerScores:
     """Indexer scores of one decode query per request (module docstring), one compiled (heads, dim),
-    written as their :func:`ordered_key` (so ``topk`` reads them directly).
+    written as their ``indexer_keys.ordered_key`` (so ``topk`` reads them directly).
 
     Operands (contiguous): ``q`` bf16 [B, h, d], ``keys`` bf16 [B, N, d], ``weights`` f32 [B, h],
     ``n_valid`` int32 [B], ``out`` int64 [B, N] (keys >= n_valid get -inf's; loaded as zeros, no read),
@@ -241,8 +163,12 @@ class Sm90IndexerScores:
     ``[s C / S, (s + 1) C / S)`` of the C = ceil(N / 64) chunks.
     """
 
+    @staticmethod
+    def can_implement(heads: int, dim: int) -> bool:
+        return scores_can_implement(heads, dim)
+
     def __init__(self, *, heads: int, dim: int):
-        if not kernel_fits(heads, dim):
+        if not scores_can_implement(heads, dim):
             raise ValueError(f"heads={heads} (multiple of 8, <= 256) / dim={dim} (multiple of 64) outside the "
                              f"kernel's tiling or its {SMEM_LIMIT} B of shared memory")
         self.heads, self.dim = heads, dim

@@ -1,0 +1,153 @@
+"""Static configurations of the SM90 NVFP4 GEMMs and of the MoE layer: what a compiled kernel is specialised on.
+
+Frozen dataclasses, so a configuration is a value: it keys the compile cache (``cute_host``), it prints as what it
+is, and a kernel object cannot drift from it. ``sm90_heuristics`` builds them from the layer shape and the token
+count; the kernels (``sm90_moe_gemm``, ``sm90_moe_wgmma``) validate them (``can_implement``) and compile them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GEMM_MODES = ("swiglu", "scatter", "store")
+K_TILE = 128      # logical K per k-tile of both GEMM families (16 bytes of one weight row per lane)
+WIDTH_STEP = 16   # between the MMA widths of one WGMMA kernel (``WgmmaTiling.min_tokens``)
+ATTENTION_CHUNK = 64          # KV entries per pipeline step of the decode attention kernel
+ATTENTION_HEADS_PER_CTA = 64  # heads per CTA of the decode attention kernel (one wgmma m64 tile)
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """What one grouped GEMM computes and how its operands are laid out (contract: ``sm90_moe_gemm``).
+
+    Attributes:
+        m: weight rows per expert (2I for L1, H for L2, out features for a dense linear).
+        k: reduction size (H for L1, I for L2), a multiple of 128.
+        mode: ``"swiglu"`` (L1), ``"scatter"`` (L2) or ``"store"`` (dense, one group).
+        swiglu_limit: the clamp L of ``"swiglu"`` (None: no clamp).
+        weight_tiles: the weights are in Hopper row tiles (``row_tiles``, converter ``--target sm90``).
+        b_order: K order of the activation rows the GEMM reads (``k_order``: ``"logical"``, ``"lane"``; the WGMMA
+            kernel reads ``"staged"`` rows).
+        h_order: ``"swiglu"``: K order ``h`` is written in, the order the L2 GEMM reads.
+        out_bf16: ``"store"`` writes BF16 instead of float32.
+        direct_top_k: MoE modes without the routing kernel (> 0: the top-k): work tile ``p`` is routed pair ``p``
+            alone, read from ``topk_ids`` / ``topk_weights`` in [T, k] order.
+    """
+
+    m: int
+    k: int
+    mode: str
+    swiglu_limit: float | None = None
+    weight_tiles: bool = False
+    b_order: str = "logical"
+    h_order: str = "logical"
+    out_bf16: bool = False
+    direct_top_k: int = 0
+
+
+@dataclass(frozen=True)
+class MmaTiling:
+    """CTA shape and schedule of the mma.sync GEMM (``Sm90Nvfp4MmaGemm``): decode, mid token counts, dense linears.
+
+    Attributes:
+        tile_tokens: tokens per work tile, a multiple of 8 up to 64 (8 per MMA).
+        row_tiles: 16-row groups per warp (1 or 2); a CTA is 4 warps, 64 or 128 weight rows.
+        depth: k-tiles of weight loads in flight per thread (1, 2 or 4, dividing the k-tiles each warp walks).
+        k_warps: warps that share one row group's K (1 or 2; one-token tiles of the MoE modes).
+        interleave_rows: decode both row tiles of a k-tile first and interleave their MMAs (two row tiles).
+        block_columns: one-token direct tiles use the MMA's 8 columns for the k-tile's 8 scale blocks, so the block
+            scales go on fp32 partial sums; both GEMMs of a layer must agree (``"swiglu"`` writes ``h`` scaled).
+        stage_x: a direct ``"swiglu"`` CTA first copies its token's row of x into shared memory, in the ``"lane"``
+            K order.
+        pdl: the direct MoE chain under programmatic dependent launch: L1 (``"swiglu"``) lets L2 launch at once,
+            L2 (``"scatter"``) starts its weight loads, then waits for L1's ``h``.
+        max_ctas: CTAs per SM at most (0: no cap), by padding the CTA's shared memory.
+    """
+
+    tile_tokens: int = 8
+    row_tiles: int = 1
+    depth: int = 4
+    k_warps: int = 1
+    interleave_rows: bool = False
+    block_columns: bool = False
+    stage_x: bool = False
+    pdl: bool = False
+    max_ctas: int = 0
+
+
+@dataclass(frozen=True)
+class WgmmaTiling:
+    """CTA shape and schedule of the WGMMA GEMM (``Sm90Nvfp4WgmmaGemm``): MoE prefill.
+
+    Attributes:
+        tile_tokens: N, tokens per work tile (16..256, a multiple of 16).
+        min_tokens: the narrowest MMA width (0: N): a tile runs the narrowest of ``min_tokens``,
+            ``min_tokens + 16``, .., N that holds its tokens.
+        warpgroups: warpgroups per CTA (1 or 2), each 64 weight rows per m64 group.
+        m_tiles: m64 row groups per warpgroup (1 or 2).
+        depth: k-tiles of weight loads in flight per thread (2 or 4; 1 only when K is one k-tile).
+        min_ctas: CTAs that must fit on one SM (ptxas caps the registers to match; 1: no cap).
+        l2_ahead: k-tiles ahead of the register pipeline that the weights are prefetched into the L2 (0: none).
+        prefetch_next: with ``l2_ahead``, the CTAs resident at once (0: off): a CTA then prefetches the first weight
+            k-tiles of the CTA that many blocks after it.
+    """
+
+    tile_tokens: int = 128
+    min_tokens: int = 0
+    warpgroups: int = 2
+    m_tiles: int = 1
+    depth: int = 4
+    min_ctas: int = 1
+    l2_ahead: int = 0
+    prefetch_next: int = 0
+
+
+Tiling = MmaTiling | WgmmaTiling
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One compiled GEMM: its problem and its tiling (the tiling's type picks the kernel family)."""
+
+    problem: GemmProblem
+    tiling: Tiling
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """An MoE layer as the kernels see it.
+
+    Attributes:
+        hidden: H. intermediate: I (per expert). experts: E held by this rank. top_k: k.
+        swiglu_limit: clamp of the SwiGLU (None: no clamp).
+        weight_tiles: ``w13`` / ``w2`` in Hopper row tiles (``--target sm90``).
+        distinct_experts: one token's k pairs go to k distinct experts. False on a rank holding part of the
+            experts, which maps the pairs it does not hold to local expert 0 (weight 0): then every call runs the
+            routing kernel, which reads each expert once.
+    """
+
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    swiglu_limit: float | None = None
+    weight_tiles: bool = False
+    distinct_experts: bool = True
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """What a call with T tokens runs: the routing kernel's token tile (None: a direct call, no routing kernel),
+    and the L1 and L2 GEMMs."""
+
+    routing_tile: int | None
+    l1: GemmConfig
+    l2: GemmConfig
+
+    @property
+    def direct(self) -> bool:
+        return self.routing_tile is None
+
+    @property
+    def wgmma(self) -> bool:
+        return isinstance(self.l1.tiling, WgmmaTiling)

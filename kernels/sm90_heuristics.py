@@ -1,0 +1,206 @@
+"""Which configuration of the SM90 kernels runs, from the layer shape and the token count.
+
+Every rule here was chosen by measurement on an H200; the measurements, and the alternatives they rejected, are in
+``docs/design/moe_kernels.md`` (MoE GEMMs) and ``docs/design/decode_attention.md`` (decode attention). The kernels
+take what these functions build (``sm90_config``) and check it; nothing else picks a configuration.
+"""
+
+from __future__ import annotations
+
+from .sm90_config import ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, GemmConfig, GemmProblem, MmaTiling, MoePlan, MoeShape, WgmmaTiling
+
+TILE_TOKEN_CHOICES = (8, 16, 32, 64)      # mma.sync token tiles
+WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
+WGMMA_MIN_MEAN = 8.0                      # mean routed pairs per expert from which the WGMMA kernels run
+DIRECT_MAX_TOKENS = 4                     # calls up to this many tokens skip the routing kernel
+INTERLEAVE_MAX_TOKENS = 4                 # calls up to this many tokens interleave two row tiles' MMAs
+DIRECT_ONE_ROW_TILE_CTAS = 3              # direct calls with one row tile: CTAs per SM at most (PDL spread)
+WGMMA_WIDE_HIDDEN = 7168                  # layers this wide run two-warpgroup WGMMA CTAs from N = 64 ...
+WGMMA_TWO_GROUPS_MAX_TOKENS = 80          # ... with two m64 row groups a warpgroup up to this N
+WGMMA_L2_AHEAD = 8                        # k-tiles of weights prefetched into the L2 from N = 64
+
+
+def smallest_tile(need: float, choices: tuple[int, ...]) -> int:
+    """The smallest of ``choices`` (ascending) that holds ``need`` tokens, else the largest."""
+    return next((bn for bn in choices if need <= bn), choices[-1])
+
+
+def fit_depth(k_tiles: int, want: int) -> int:
+    """The deepest register pipeline of at most ``want`` k-tiles (1, 2 or 4) that divides ``k_tiles``."""
+    return max(d for d in (1, 2, 4) if d <= want and k_tiles % d == 0)
+
+
+# -- mma.sync (decode and mid token counts) -------------------------------------------------------------------------
+def pick_tile_tokens(tokens: int, top_k: int, experts: int) -> int:
+    """Tokens per work tile: about twice the mean pairs per expert, in {8, 16, 32, 64}."""
+    return smallest_tile(2 * (tokens * top_k / max(experts, 1)), TILE_TOKEN_CHOICES)
+
+
+def pick_row_tiles(tokens: int, top_k: int, experts: int, rows: int, sms: int) -> int:
+    """Row tiles per warp: 2 (128-row CTAs: each activation fragment feeds twice the weight rows) once L1 has at
+    least two such CTAs per SM for the experts a call can touch, else 1 (smaller CTAs keep more SMs streaming)."""
+    touched = min(tokens * top_k, experts)
+    return 2 if touched * rows // 128 >= 2 * sms else 1
+
+
+def use_wgmma(tokens: int, top_k: int, experts: int, min_mean: float = WGMMA_MIN_MEAN) -> bool:
+    """The prefill kernels (WGMMA, activations staged in shared memory) from ``min_mean`` pairs per expert."""
+    return tokens * top_k / max(experts, 1) >= min_mean
+
+
+def wgmma_fits_k(k: int) -> bool:
+    """Whether the WGMMA kernels take a GEMM whose K is ``k``: 128-K tiles, one of them or an even number (two or
+    more k-tiles in flight; one in flight over several computed non-finite outputs on an H200)."""
+    return k % K_TILE == 0 and (k == K_TILE or k // K_TILE % 2 == 0)
+
+
+def mma_tiling(problem: GemmProblem, tile_tokens: int, row_tiles: int = 1, *, k_warps: int = 1,
+               interleave: bool = False, block_columns: bool = False, direct: bool = False) -> MmaTiling:
+    """The mma.sync tiling of ``problem``. Direct MoE calls (``direct``) run under PDL; with one row tile capped at
+    ``DIRECT_ONE_ROW_TILE_CTAS`` CTAs per SM, and L1 staging its token's x in shared memory."""
+    k_tiles = problem.k // K_TILE
+    want = 2 if row_tiles == 2 or k_warps > 1 else 4  # two row tiles or two K warps: registers for 2 in flight
+    if not (tile_tokens == 8 and problem.mode != "store" and k_tiles % k_warps == 0):
+        k_warps = 1
+    depth = fit_depth(k_tiles // k_warps, want)
+    moe = problem.mode != "store"
+    return MmaTiling(tile_tokens=tile_tokens, row_tiles=row_tiles, depth=depth, k_warps=k_warps,
+                     interleave_rows=interleave and row_tiles > 1, block_columns=block_columns,
+                     stage_x=direct and problem.mode == "swiglu" and problem.b_order == "logical",
+                     pdl=direct and moe, max_ctas=DIRECT_ONE_ROW_TILE_CTAS if direct and moe and row_tiles == 1 else 0)
+
+
+def linear_config(n: int, k: int, tokens: int, out_bf16: bool = False) -> GemmConfig:
+    """The dense NVFP4 linear for ``tokens`` rows of x [., K] against W [N, K]: the mma.sync kernel with one group
+    (``"store"``), the smallest token tile of 8..64 that holds the rows."""
+    problem = GemmProblem(m=n, k=k, mode="store", out_bf16=out_bf16)
+    return GemmConfig(problem, mma_tiling(problem, smallest_tile(tokens, TILE_TOKEN_CHOICES)))
+
+
+# -- WGMMA (prefill) ------------------------------------------------------------------------------------------------
+def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> tuple[int, int]:
+    """Token tile N of the WGMMA kernels and their narrowest MMA width (0: every tile runs N).
+
+    Below N = 64: the smallest of 32, 48 that holds 1.25x the mean pairs per expert m. From there on each tile runs
+    the narrowest width (steps of 16) that holds its tokens, so N can hold nearly every expert: m + 3 sqrt(m) (an
+    expert's count under uniform routing spreads by about sqrt(m)), up to 128; the narrowest width is
+    m - 2 sqrt(m) rounded down, at least 32, or 32 where m + 3 sqrt(m) overflows 128."""
+    mean = tokens * top_k / max(experts, 1)
+    bn = smallest_tile(1.25 * mean, WGMMA_TILE_TOKENS)
+    if bn < 64:
+        return bn, 0
+    spread = mean ** 0.5
+    bn = smallest_tile(mean + 3 * spread, WGMMA_TILE_TOKENS)
+    if mean + 3 * spread > bn:
+        return bn, 32
+    return bn, min(bn, max(32, int(mean - 2 * spread) // 16 * 16))
+
+
+def wgmma_tiling(tile_tokens: int, min_tokens: int, hidden: int, k: int, sms: int) -> WgmmaTiling:
+    """CTA shape of the WGMMA kernels of a layer of width ``hidden`` for a token tile, one GEMM's K being ``k``.
+
+    One warpgroup (64 weight rows) up to N = 96, so two CTAs (three up to N = 48, registers capped at 168) share an
+    SM; two warpgroups above, where one 128-row CTA reuses each staged activation tile twice as much. From N = 64 on
+    the weights are also prefetched ``WGMMA_L2_AHEAD`` k-tiles into the L2. Layers of ``WGMMA_WIDE_HIDDEN`` and wider
+    take two warpgroups from N = 64 (they run at the power cap, where the larger CTAs run at a higher clock), up to
+    N = ``WGMMA_TWO_GROUPS_MAX_TOKENS`` with two m64 row groups a warpgroup (256-row CTAs, 2 k-tiles in flight);
+    two-warpgroup CTAs, one per SM, prefetch their successor's first k-tiles (``prefetch_next``)."""
+    wide = hidden >= WGMMA_WIDE_HIDDEN
+    if tile_tokens <= 48:
+        shape = dict(warpgroups=1, min_ctas=3)
+    elif tile_tokens <= 96 and not (wide and tile_tokens >= 64):
+        shape = dict(warpgroups=1, min_ctas=2, l2_ahead=WGMMA_L2_AHEAD)
+    elif wide and tile_tokens <= WGMMA_TWO_GROUPS_MAX_TOKENS:
+        shape = dict(m_tiles=2, depth=2, l2_ahead=WGMMA_L2_AHEAD, prefetch_next=sms)
+    else:
+        shape = dict(l2_ahead=WGMMA_L2_AHEAD, prefetch_next=sms)
+    depth = fit_depth(k // K_TILE, shape.pop("depth", 4))
+    return WgmmaTiling(tile_tokens=tile_tokens, min_tokens=min_tokens, depth=depth, **shape)
+
+
+# -- the MoE layer ---------------------------------------------------------------------------------------------------
+def moe_plan(shape: MoeShape, tokens: int, sms: int = 132, *, wgmma: bool | None = None) -> MoePlan:
+    """What a call with ``tokens`` tokens runs (``wgmma``: force the WGMMA or the mma.sync path, for tests).
+
+    * WGMMA kernels from ``WGMMA_MIN_MEAN`` pairs per expert (both K fit, ``wgmma_fits_k``), their N from
+      :func:`pick_wgmma_tile_tokens`, N = 96 taken down to ``WGMMA_TWO_GROUPS_MAX_TOKENS`` for wide layers (two m64
+      groups a warpgroup; the few experts above take two tiles);
+    * otherwise the mma.sync kernels, with two row tiles per :func:`pick_row_tiles` (where the rows fill 128-row
+      CTAs), interleaved up to ``INTERLEAVE_MAX_TOKENS`` tokens;
+    * up to ``DIRECT_MAX_TOKENS`` tokens (distinct experts per token) no routing kernel: one tile per routed pair,
+      L2 launched early (PDL), the block scales on fp32 partial sums with two row tiles (``block_columns``), and
+      with one row tile L1's K split over two warps per row group (``k_warps``)."""
+    h, i, e, k = shape.hidden, shape.intermediate, shape.experts, shape.top_k
+    if wgmma is None:
+        wgmma = use_wgmma(tokens, k, e) and wgmma_fits_k(h) and wgmma_fits_k(i) and wgmma_fits_rows(shape)
+    # the WGMMA kernels read "staged" rows (x permuted on the way in, h written so by L1), the mma.sync L2 "lane" rows
+    l1 = GemmProblem(m=2 * i, k=h, mode="swiglu", swiglu_limit=shape.swiglu_limit, weight_tiles=shape.weight_tiles,
+                     b_order="staged" if wgmma else "logical", h_order="staged" if wgmma else "lane")
+    l2 = GemmProblem(m=h, k=i, mode="scatter", weight_tiles=shape.weight_tiles,
+                     b_order="staged" if wgmma else "lane")
+    if wgmma:
+        bn, min_tokens = pick_wgmma_tile_tokens(tokens, k, e)
+        if h >= WGMMA_WIDE_HIDDEN and WGMMA_TWO_GROUPS_MAX_TOKENS < bn <= 96:
+            bn, min_tokens = WGMMA_TWO_GROUPS_MAX_TOKENS, min(min_tokens, WGMMA_TWO_GROUPS_MAX_TOKENS)
+        return MoePlan(bn, GemmConfig(l1, wgmma_tiling(bn, min_tokens, h, h, sms)),
+                       GemmConfig(l2, wgmma_tiling(bn, min_tokens, h, i, sms)))
+    rt = pick_row_tiles(tokens, k, e, 2 * i, sms) if h % 128 == 0 and (2 * i) % 128 == 0 else 1
+    direct = shape.distinct_experts and tokens <= DIRECT_MAX_TOKENS
+    interleave = rt == 2 and tokens <= INTERLEAVE_MAX_TOKENS
+    if not direct:
+        bn = pick_tile_tokens(tokens, k, e)
+        return MoePlan(bn, GemmConfig(l1, mma_tiling(l1, bn, rt, interleave=interleave)),
+                       GemmConfig(l2, mma_tiling(l2, bn, rt, interleave=interleave)))
+    l1 = GemmProblem(**{**vars(l1), "direct_top_k": k})
+    l2 = GemmProblem(**{**vars(l2), "direct_top_k": k})
+    block_columns = rt == 2
+    return MoePlan(None, GemmConfig(l1, mma_tiling(l1, 8, rt, k_warps=1 if rt == 2 else 2, interleave=interleave,
+                                                   block_columns=block_columns, direct=True)),
+                   GemmConfig(l2, mma_tiling(l2, 8, rt, interleave=interleave, block_columns=block_columns,
+                                             direct=True)))
+
+
+def wgmma_fits_rows(shape: MoeShape) -> bool:
+    """Whether every WGMMA CTA shape :func:`wgmma_tiling` can pick tiles both GEMMs' rows (2I and H): 256-row CTAs
+    on wide layers, 128-row ones on the others."""
+    rows = 256 if shape.hidden >= WGMMA_WIDE_HIDDEN else 128
+    return (2 * shape.intermediate) % rows == 0 and shape.hidden % rows == 0
+
+
+# -- decode attention ------------------------------------------------------------------------------------------------
+MAX_CLUSTER = 4     # the largest cluster pick_cluster picks (a merge of more splits was slower than the combine kernel)
+CLUSTER_GRID = 64   # CTAs up to which clusters of more than two CTAs are picked (4-CTA clusters in a full grid were
+                    # slower: the GPCs did not hold all of them at once)
+
+
+def pick_splits(batch: int, heads: int, entries: int, sms: int = 132) -> int:
+    """Splits per (request, head block): at most one wave of CTAs (one CTA per SM), no empty split;
+    no split at all once the requests alone fill the SMs (no partials, no combine)."""
+    n_chunks = max(1, -(-entries // ATTENTION_CHUNK))
+    ctas = batch * (heads // ATTENTION_HEADS_PER_CTA)
+    splits = max(1, min(n_chunks, sms // ctas))
+    cps = -(-n_chunks // splits)
+    return -(-n_chunks // cps)   # the fewest splits with that longest split: fewer partials to merge
+
+
+def pick_cluster(batch: int, heads: int, entries: int, sms: int = 132, max_cluster: int = MAX_CLUSTER) -> int:
+    """Cluster size for :func:`pick_splits`' splits (1: no cluster, partials through HBM and the combine
+    kernel). A cluster is all the splits of a head block, rounded up to a power of two (the extra CTAs
+    hold no chunk and share the merge), at most ``max_cluster``; clusters of more than two CTAs only
+    while the grid has at most ``CLUSTER_GRID`` CTAs."""
+    splits = pick_splits(batch, heads, entries, sms)
+    ctas = batch * (heads // ATTENTION_HEADS_PER_CTA)
+    cl = 1 << (splits - 1).bit_length()
+    if splits == 1 or cl > max_cluster or cl * ctas > sms or (cl > 2 and cl * ctas > CLUSTER_GRID):
+        return 1
+    return cl
+
+
+# -- decode indexer top-k --------------------------------------------------------------------------------------------
+SORT_TOPK_MAX_KEYS = 1 << 20  # keys (all requests) up to which the sort kernel's segment passes beat torch.topk
+
+
+def sort_topk_pays(batch: int, entries: int, k: int, segment: int = 4096) -> bool:
+    """Whether the sort kernel beats ``torch.topk`` on ``batch`` lists of ``entries`` keys: one CTA a list up to
+    ``segment`` keys, segment passes over longer lists up to ``SORT_TOPK_MAX_KEYS`` keys in all."""
+    return max(entries, k) <= segment or batch * entries <= SORT_TOPK_MAX_KEYS

@@ -1,0 +1,75 @@
+"""Dense NVFP4 linear on Hopper (sm_90a): ``x @ W.T * alpha``, the mma.sync grouped GEMM with one group (``"store"``).
+
+W4A16 like the MoE: ``x`` BF16, the weights decoded in registers, fp32 accumulation. The token tile is picked by
+:func:`~nvfp4_megamoe.kernels.sm90_heuristics.linear_config`; :func:`can_implement` says which W [N, K] it tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
+from .sm90_heuristics import TILE_TOKEN_CHOICES, linear_config
+from .sm90_moe_gemm import Sm90Nvfp4MmaGemm
+from .swizzle import swizzled_nbytes
+
+
+def can_implement(n: int, k: int) -> bool:
+    """Whether the kernel tiles W [N, K] (N a multiple of 64 rows, K of 128)."""
+    config = linear_config(n, k, 1)
+    return n > 0 and Sm90Nvfp4MmaGemm.can_implement(config.problem, config.tiling)
+
+
+def linear_op(n: int, k: int, tokens: int, out_bf16: bool = False) -> Sm90Nvfp4MmaGemm:
+    """The kernel :func:`sm90_nvfp4_linear` launches for ``tokens`` rows of x [., K] against W [N, K]."""
+    config = linear_config(n, k, tokens, out_bf16)
+    return Sm90Nvfp4MmaGemm(config.problem, config.tiling)
+
+
+_UNUSED: dict[torch.device, torch.Tensor] = {}
+
+
+def _operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, alpha: torch.Tensor,
+              out: torch.Tensor) -> list[torch.Tensor]:
+    # one group: the routing operands are unused in "store" mode, 1-element stand-ins (made once per
+    # device, not a zero-fill launch per call) fill their places
+    n, half_k = weight.shape
+    unused = _UNUSED.get(x.device)
+    if unused is None:
+        unused = _UNUSED[x.device] = torch.zeros(1, 3, dtype=torch.int32, device=x.device)
+    return [weight.view(1, n, half_k), weight_scale.reshape(1, -1), alpha.reshape(1), x,
+            unused[0, :1], alpha.reshape(1), unused, unused[0, :1], out, out]
+
+
+def warmup(n: int, k: int, device: torch.device | str, out_dtype: torch.dtype = torch.float32) -> int:
+    """Compile every token tile :func:`sm90_nvfp4_linear` can pick for W [N, K] (so no call compiles).
+    Returns how many. The kernels' ValueError for shapes they do not tile (see :func:`can_implement`)."""
+    dev = torch.device(device)
+    w = torch.empty(n, k // 2, dtype=torch.uint8, device=dev)
+    sc = torch.empty(swizzled_nbytes(n, k // 16), dtype=torch.uint8, device=dev)
+    alpha = torch.empty(1, dtype=torch.float32, device=dev)
+    x, out = torch.empty(1, k, dtype=torch.bfloat16, device=dev), torch.empty(1, n, dtype=out_dtype, device=dev)
+    for bn in TILE_TOKEN_CHOICES:
+        _compile(linear_op(n, k, bn, out_dtype == torch.bfloat16), _operands(x, w, sc, alpha, out))
+    return len(TILE_TOKEN_CHOICES)
+
+
+def sm90_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, alpha: torch.Tensor,
+                      out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Dense NVFP4 linear ``x @ W.T * alpha``.
+
+    ``x`` bf16 [T, K] (T >= 1); ``weight`` uint8 [N, K/2]; ``weight_scale`` uint8 [swz(N, K/16)]; ``alpha``
+    float32 [] or [1] (a CUDA tensor, so no host sync). Returns ``out_dtype`` (bf16 or f32) [T, N].
+    """
+    n, half_k = weight.shape
+    k = 2 * half_k
+    _expect(x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == k and x.shape[0] >= 1 and x.is_contiguous(),
+            f"x must be contiguous bf16 [T >= 1, K={k}], got {x.dtype} {tuple(x.shape)}")
+    _expect(weight_scale.numel() == swizzled_nbytes(n, k // 16), "weight_scale must hold swz(N, K/16) bytes")
+    _expect(alpha.dtype == torch.float32 and alpha.numel() == 1 and alpha.is_cuda, "alpha must be a float32 CUDA scalar")
+    if out is None:
+        out = torch.empty(x.shape[0], n, dtype=out_dtype, device=x.device)
+    _expect(tuple(out.shape) == (x.shape[0], n) and out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous(),
+            f"out must be contiguous bf16/f32 [T, N={n}], got {out.dtype} {tuple(out.shape)}")
+    _launch(linear_op(n, k, x.shape[0], out.dtype == torch.bfloat16), _operands(x, weight, weight_scale, alpha, out))
+    return out
