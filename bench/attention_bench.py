@@ -14,14 +14,14 @@ the median of ``--reps`` replays is reported. ``floor`` = (q + KV entries read +
 copy bandwidth measured at start (read + write bytes of a 1 GiB device copy). Every configuration
 also checks ours against the torch baseline (relative error).
 
-The lightning indexer top-k (``kernels/sm90_attention_indexer.indexer_topk``: the fused score kernel, then
-the one-CTA sort kernel up to 4096 keys or ``torch.topk``; also the score kernel alone, and the torch
-composition of the scores with ``torch.topk``) is timed the same way at 64 index heads x 128 dims over ctx/4 keys; its floor is the key bytes
-over the copy bandwidth.
+The lightning indexer top-k (``kernels/sm90_attention_indexer.indexer_topk``: the fused score kernel, then the
+sort kernel, one CTA up to 4,096 keys and segment passes up to 1M keys over the batch, ``torch.topk`` beyond;
+also the score kernel alone, and the score kernel with ``torch.topk``) is timed the same way at 64 index heads x
+128 dims over ctx/4 keys; its floor is the key bytes over the copy bandwidth. ``--plot`` needs no GPU.
 
-    python bench/attention_bench.py --reps 15 --variants '{"cl1": {"cluster": 1}}'   # bench/results/attention_bench.json
+    python bench/attention_bench.py --reps 15 --variants '{"cl1": {"cluster": 1}}'  # bench/results/attention_bench.json
     python bench/attention_bench.py --reps 15 --no-attention --out bench/results/indexer_bench.json
-    python bench/attention_bench.py --plot bench/results/attention_bench.json bench/results/attention_bench.png  # no GPU
+    python bench/attention_bench.py --plot bench/results/attention_bench.json bench/results/attention_bench.png
 """
 
 from __future__ import annotations
