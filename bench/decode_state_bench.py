@@ -65,7 +65,7 @@ def _event_us(fn, reps: int) -> float:
 
 def emit_cost(ctx: int, b: int, reps: int) -> dict:
     """One CSA compressor emit (an entry [B, 1, 512] and an indexer key [B, 1, 128], once per 4 tokens) into
-    a state holding ctx / 4 of each: ``torch.cat`` of the whole state (the earlier runtime) against
+    a state holding ctx / 4 of each: ``torch.cat`` of the whole state (the anchor: a copy per emit) against
     ``CompressorState.append`` into a spare store (a write, plus a 1.25x reallocation every n / 4 emits,
     amortised here)."""
     from nvfp4_megamoe.runtime.state import CompressorState
