@@ -2,8 +2,9 @@
 memory, throughput; default options, ``--dense keep``, ``--buffered-io`` and ``--target sm90``; and the memory
 check at twice the experts.
 
-    python bench/convert_bench.py --workdir /tmp/convert-bench            # makes the checkpoints if missing
-    python bench/convert_bench.py --workdir DIR --runs 3 --workers 2 --json results.json
+    python bench/convert_bench.py --workdir /tmp/convert-bench   # makes the checkpoints if missing;
+                                                                 # writes bench/results/convert_bench.json
+    python bench/convert_bench.py --workdir DIR --runs 3 --workers 2 --json OTHER.json
 
 Sources are synthetic checkpoints with real V4-Flash layer shapes (``synth`` presets
 ``flash-layer``: H=4096, I=2048, 64 experts, 3 layers + MTP, ~3.9 GB; ``flash-layer-2x``: the same
@@ -179,7 +180,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="interleaved rounds of the timed commands (the best of each is "
                     "reported; all are recorded)")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "convert_bench.json")
     ap.add_argument("--breakdown", action="store_true", help="only: time each unit kind in one thread (no output)")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)

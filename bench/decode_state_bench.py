@@ -9,13 +9,14 @@ convert). V4-Flash shapes: 64 heads x 512, SWA ring 128, CSA ratio 4 with top-51
 Then the cost of emitting one CSA entry into such a state (``emit_cost``): ``torch.cat`` of the whole
 state against the runtime's spare store.
 
-    python bench/decode_state_bench.py --out decode_state_bench.json
+    python bench/decode_state_bench.py   # writes bench/results/decode_state_bench.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -64,7 +65,7 @@ def _event_us(fn, reps: int) -> float:
 
 def emit_cost(ctx: int, b: int, reps: int) -> dict:
     """One CSA compressor emit (an entry [B, 1, 512] and an indexer key [B, 1, 128], once per 4 tokens) into
-    a state holding ctx / 4 of each: ``torch.cat`` of the whole state (the earlier runtime) against
+    a state holding ctx / 4 of each: ``torch.cat`` of the whole state (the anchor: a copy per emit) against
     ``CompressorState.append`` into a spare store (a write, plus a 1.25x reallocation every n / 4 emits,
     amortised here)."""
     from nvfp4_megamoe.runtime.state import CompressorState
@@ -97,7 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--emit-only", action="store_true", help="only the emit costs")
-    ap.add_argument("--out", default="decode_state_bench.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "decode_state_bench.json"))
     args = ap.parse_args()
     be, timer, rows = HopperBackend(), ColdTimer(), []
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -1,12 +1,12 @@
 """Expert-parallel benchmark: load real-shape synthetic layers across the GPUs of one host, compare the
 logits with one GPU holding every expert, and time decode (tokens/s) for each combine scheme.
 
-Run under torchrun, one process per GPU (NCCL). NVLink multicast stays off (the variables below are
-forced here too, as the device README/KINDS.md require)::
+Run under torchrun, one process per GPU (NCCL). NVLink multicast stays off (this script sets the three
+variables below as well: nothing here uses multicast or symmetric memory)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         torchrun --standalone --nproc-per-node 2 bench/ep_bench.py \\
-        --checkpoint /tmp/flash-layer-nvfp4 --out ep_bench.json
+        --checkpoint /tmp/flash-layer-nvfp4 --steps 16   # writes bench/results/ep_bench.json
 
 If ``--checkpoint`` does not exist, rank 0 writes the synthetic ``--preset`` (default ``flash-layer``:
 real V4-Flash layer shapes, 3 layers, 64 experts; ~4 GB, minutes) and converts it (``--dense keep``)
@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=64, help="context before the timed decode steps")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "ep_bench.json")
     args = ap.parse_args()
 
     world, device = init_distributed(timeout=datetime.timedelta(minutes=30))

@@ -16,7 +16,7 @@ on the CPU is what an eager user waits for. Measured, on the GPU machine:
 Host times are medians of ``perf_counter`` spans around calls that do not wait for the GPU (the GPU is
 synchronised every 20 calls so its queue stays short); a step synchronises before and after.
 
-    python bench/host_overhead_bench.py --out host_overhead.json
+    python bench/host_overhead_bench.py   # writes bench/results/host_overhead_bench.json
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import json
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -122,7 +123,7 @@ def decode_steps(res: dict, steps: int = 20) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="host_overhead.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "host_overhead_bench.json"))
     ap.add_argument("--label", default="", help="a name for this run in the JSON (e.g. the commit)")
     args = ap.parse_args()
     res = {"label": args.label, "device": torch.cuda.get_device_name(), "torch": torch.__version__}

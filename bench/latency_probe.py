@@ -13,7 +13,7 @@ as in ``attention_bench.py``), median of 25, written as ``<case>_us`` (``<case>_
 * ``h{64,128}_hca4k_...``: HCA at 4K context (window 128 + 32 entries);
 * ``moe_flash_t1``: one V4-Flash MoE layer at T = 1, for scale.
 
-    python bench/latency_probe.py --out latency_probe.json
+    python bench/latency_probe.py   # writes bench/results/latency_probe.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="latency_probe.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "latency_probe.json"))
     ap.add_argument("--reps", type=int, default=25)
     args = ap.parse_args()
     res: dict[str, float | str] = {}

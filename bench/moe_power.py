@@ -1,6 +1,6 @@
 """SM clock and board power while one MoE layer configuration replays for seconds, on the GPU.
 
-At prefill sizes the H200 runs our layer at its power cap (700 W), so a configuration's time is its cycles divided by
+At prefill sizes the H200 runs the MoE layer at its power cap (700 W), so a configuration's time is its cycles over
 the clock the cap leaves it. For each variant (a ``Sm90NvFp4MoE`` tuning) in turn this replays the layer's CUDA graph
 with a cold L2 for ``SECONDS`` while ``nvidia-smi`` samples the SM clock and the power every 20 ms, and prints the
 medians over the last two thirds (after the clock has settled) with the layer's median time. Weights are random

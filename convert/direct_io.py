@@ -1,6 +1,6 @@
 """Output shards written and read back with ``O_DIRECT``: no page cache between the converter and the disk.
 
-Why: filling page-cache pages can be most of a conversion's CPU time (``docs/benchmarks.md``: 15.9 s of
+Why: filling page-cache pages can be most of a conversion's CPU time (``docs/design/conversion.md``: 15.9 s of
 system time in an 18.8 s run on a 2-vCPU VM, where buffered ``pwrite`` of 4 GiB costs 3-10 s of CPU and
 ``O_DIRECT`` 0.04 s), and nothing reads a freshly converted shard from the cache.
 

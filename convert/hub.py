@@ -273,7 +273,7 @@ class HubSource(FileReader):
         return self.staging_dir is not None and not self.offline
 
     def release(self, file: str) -> None:
-        """Delete a staged shard once no unit needs it (only shards in our own staging folder)."""
+        """Delete a staged shard once no unit needs it (only shards in the converter's own staging folder)."""
         if not self.staged:
             return
         with self._lock(file):

@@ -55,9 +55,9 @@ MXFP4 experts it has); ``base`` has no MXFP4 experts and refuses.
 Norm weights ~1, hc parameters small, ``attn_sink`` ~0, compressor ``ape`` small, gate bias
 small, ``tid2eid`` rows are distinct experts.
 
-Names and shapes vs DOMAIN.md section 2 / transformers 5.23
-----------------------------------------------------------
-Names follow the official checkpoint (DOMAIN.md); transformers' ``conversion_mapping``
+Names and shapes vs the released checkpoints / transformers 5.23
+---------------------------------------------------------------
+Names follow the official checkpoint (docs/deepseek_v4.md); transformers' ``conversion_mapping``
 for ``deepseek_v4`` renames exactly these native names (``attn``->``self_attn``,
 ``ffn``->``mlp``, ``indexer.compressor``->``compressor.indexer``, ``ape``->``position_bias``,
 ``gate.bias``->``e_score_correction_bias``, experts w1/w3 fused into ``gate_up_proj``, ...)
@@ -73,7 +73,7 @@ and ignores ``mtp.*``.  Points worth knowing:
   ``compress_ratios`` is dropped by its ``[:num_hidden_layers]`` slice.
 * ``expert_dtype`` is written both top-level and inside ``quantization_config``
   (transformers folds the top-level one in; newer official configs carry it there).
-* No shape differences from DOMAIN.md were found: the compressor projects to
+* No shape differences from the released checkpoints (docs/deepseek_v4.md) were found: the compressor projects to
   ``2*head_dim`` (overlapping windows) at ratio 4 and ``head_dim`` at ratio 128, the indexer
   compressor to ``2*index_head_dim``; norms are ``head_dim`` / ``index_head_dim``.
 

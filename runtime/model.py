@@ -5,7 +5,7 @@ One code path serves both: a forward processes a chunk of ``T`` tokens at positi
 prefill is a chunk on a fresh state; :meth:`Model.step` is a chunk of one token. Every compute
 op goes through the model's backend (``runtime/backend.py``); activations are float32.
 
-Semantics are the official ``inference/model.py`` (DOMAIN.md section 5); where transformers 5.23
+Semantics are the official ``inference/model.py`` (docs/deepseek_v4.md, "The forward pass"); where transformers 5.23
 differs, docs/runtime.md says which one this follows.
 """
 

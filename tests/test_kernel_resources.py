@@ -8,7 +8,7 @@ accumulators take the most registers) and every other kernel; ``-m slow`` compil
 
 Spills (a stack frame) and registers past the CTAs per SM a kernel is designed for cost time silently: with
 the row tiles interleaved at every T, the V4-Flash decode L2 took 138 registers instead of 128 (3 CTAs per SM
-instead of 4) and T = 16 / 64 ran 5-7 % slower (docs/benchmarks.md).
+instead of 4) and T = 16 / 64 ran 5-7 % slower (docs/design/moe_kernels.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The rule table against full-size V4-Flash and V4-Pro tensor lists, from headers alone.
 
 The tensor names, dtypes and shapes are written here from the published checkpoints' layout
-(DOMAIN.md section 2), independently of the synthetic generator, and planned without any data:
-every tensor must map, and the outputs must have the format-1 shapes at full scale.
+(docs/deepseek_v4.md, "Tensor names and shapes"), independently of the synthetic generator, and planned without
+any data: every tensor must map, and the outputs must have the format-1 shapes at full scale.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class TieCounter(ReferenceBackend):
     """Reference backend that counts exact score ties at the indexer's top-k boundary.
 
     Which of two exactly tied entries ``topk`` keeps is implementation-defined (transformers and
-    the official code leave it to ``torch.topk``; we keep the older entry), so a comparison with the
+    the official code leave it to ``torch.topk``; the runtime keeps the older entry), so a comparison with the
     oracle is only meaningful on inputs without such ties.
     """
 
