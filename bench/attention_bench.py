@@ -7,14 +7,14 @@ context 4K, 64K, 1M. Per (model, batch, context) two layer kinds:
   request (the kernel reads the same bytes as with the full ctx/4 pool; the pool is not cached: see below);
 * HCA: full window + all ctx/128 compressed entries.
 
-Implementations: ``ours`` (``kernels/sm90_decode_attention.decode_attention``) and ``torch`` (gather +
+Implementations: ``ours`` (``kernels/sm90_decode_attention.sm90_decode_attention``) and ``torch`` (gather +
 BF16 bmm + float32 softmax with the sink column + bmm: ``decode_attention_torch``). Each is captured in
 a CUDA graph and replayed with a cold L2 (a 512 MiB buffer is rewritten before every timed replay);
 the median of ``--reps`` replays is reported. ``floor`` = (q + KV entries read + out) bytes / the
 copy bandwidth measured at start (read + write bytes of a 1 GiB device copy). Every configuration
 also checks ours against the torch baseline (relative error).
 
-The lightning indexer top-k (``kernels/sm90_attention_indexer.indexer_topk``: the fused score kernel, then the
+The lightning indexer top-k (the GPU backend's ``indexer_topk``: the fused score kernel, then the
 sort kernel, one CTA up to 4,096 keys and segment passes up to 1M keys over the batch, ``torch.topk`` beyond;
 also the score kernel alone, and the score kernel with ``torch.topk``) is timed the same way at 64 index heads x
 128 dims over ctx/4 keys; its floor is the key bytes over the copy bandwidth. ``--plot`` needs no GPU.
@@ -69,7 +69,8 @@ def make_inputs(b: int, h: int, kind: str, ctx: int, top_k: int, gen: torch.Gene
 
 def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
     from nvfp4_megamoe.kernels.decode_attention_reference import decode_attention_torch
-    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention, pick_splits
+    from nvfp4_megamoe.kernels.sm90_decode_attention import sm90_decode_attention as decode_attention
+    from nvfp4_megamoe.kernels.sm90_heuristics import pick_splits
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -124,13 +125,17 @@ def bench_attention(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
 
 
 def bench_indexer(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
-    """ours = ``indexer_topk`` (fused score kernel, then the sort kernel: one CTA up to 4096 keys, segment
+    """ours = the GPU backend's ``indexer_topk`` (fused score kernel, then the sort kernel: one CTA up to 4096 keys, segment
     passes beyond), ours_scores = the score kernel alone (int64 order keys out), ours_torch_topk = the score
     kernel + ``torch.topk`` on its keys, torch = the torch composition of the scores and keys +
     ``torch.topk``; the scores compared between the two, ours' indices with ``torch.topk``'s on the same keys."""
-    from nvfp4_megamoe.kernels.sm90_attention_indexer import (indexer_keys, indexer_scores_torch, indexer_topk,
-                                                              ordered_key, scores_of_key, topk_of_keys,
-                                                              topk_of_keys_torch)
+    from nvfp4_megamoe.kernels.indexer_keys import (indexer_scores_torch, ordered_key, scores_of_key,
+                                                    topk_of_keys_torch)
+    from nvfp4_megamoe.kernels.sm90_indexer import sm90_indexer_keys as indexer_keys
+    from nvfp4_megamoe.kernels.sm90_indexer import sm90_topk_of_keys as topk_of_keys
+    from nvfp4_megamoe.runtime.hopper import HopperBackend
+
+    backend = HopperBackend()
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(1)
     for ctx in args.contexts:
@@ -142,7 +147,8 @@ def bench_indexer(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
                 w = torch.randn(b, 64, device="cuda", generator=gen)
                 nbytes = keys.numel() * 2
                 row = dict(batch=b, context=ctx, keys=n, top_k=top_k, bytes=nbytes, floor_us=nbytes / copy_bw * 1e6)
-                fns = {"ours": lambda: indexer_topk(q, keys, w, top_k),
+                nv = torch.full((b,), n, device="cuda")
+                fns = {"ours": lambda: backend.indexer_topk(q, keys, w, top_k, nv),
                        "ours_scores": lambda: indexer_keys(q, keys, w),
                        "ours_torch_topk": lambda: topk_of_keys_torch(indexer_keys(q, keys, w), top_k)}
                 if b * n * 64 * 4 <= (16 << 30):        # the torch [B, 64, N] float32 intermediate up to 16 GiB
@@ -152,8 +158,9 @@ def bench_indexer(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
                 if "ours_us" in row:
                     row["frac_of_copy_bw"] = row["floor_us"] / row["ours_us"]
                     key = indexer_keys(q, keys, w)
-                    row["ours_equals_torch_topk"] = bool(torch.equal(topk_of_keys(key, top_k),
-                                                                     topk_of_keys_torch(key, top_k)))
+                    if n <= 4096 or top_k <= 2048:  # the sort kernel takes it (sm90_indexer.topk_can_implement)
+                        row["ours_equals_torch_topk"] = bool(torch.equal(topk_of_keys(key, top_k),
+                                                                         topk_of_keys_torch(key, top_k)))
                     del key
                 if "torch_us" in row and "ours_us" in row:
                     row["speedup_vs_torch"] = row["torch_us"] / row["ours_us"]
@@ -227,8 +234,8 @@ def main() -> None:
     p.add_argument("--no-indexer", action="store_true")
     p.add_argument("--no-attention", action="store_true", help="only the indexer")
     p.add_argument("--variants", type=json.loads, default={},
-                   help='other configurations of ours as JSON {name: decode_attention keyword arguments}, e.g. '
-                        '\'{"c32": {"chunk": 32, "stages": 4}}\'')
+                   help='other launches of ours as JSON {name: sm90_decode_attention keyword arguments (splits, '
+                        'cluster)}, e.g. \'{"cl1": {"cluster": 1}}\'')
     p.add_argument("--splits", type=int, nargs="*", default=[],
                    help="also time ours with these fixed flash-decoding split counts (ours_s<N>_us)")
     p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="only draw the plot of a results file")

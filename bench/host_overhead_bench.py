@@ -4,8 +4,8 @@ An eager decode step is bound by the host, not the GPU (``docs/runtime.md``), so
 on the CPU is what an eager user waits for. Measured, on the GPU machine:
 
 * ``launch_us``: one launch of the MoE L1 kernel (V4-Flash shape, T = 1) through ``cute_host.launch``;
-* ``moe_layer_us``: one ``Sm90NvFp4MoE`` call (V4-Flash, T = 1 and 4: routing glue + L1 + L2);
-* ``decode_attention_us``: one ``decode_attention`` call (64 heads, B = 1, CSA top-k 512, 10 splits +
+* ``moe_layer_us``: one ``Sm90Nvfp4Moe`` call (V4-Flash, T = 1 and 4: routing glue + L1 + L2);
+* ``decode_attention_us``: one ``sm90_decode_attention`` call (64 heads, B = 1, CSA top-k 512, 10 splits +
   the combine kernel);
 * ``step_ms``: one ``Model.step`` of the tiny synthetic V4-Flash model (5 layers, dense NVFP4, Hopper
   backend) at batch 1 and 8, every op eager, with the number of kernel launches per step and the host
@@ -49,13 +49,14 @@ def host_us(fn, n: int = 200) -> float:
 def kernel_calls(res: dict) -> None:
     from nvfp4_megamoe.kernels import cute_host
     from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
-    from nvfp4_megamoe.kernels.sm90_decode_attention import decode_attention
-    from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
+    from nvfp4_megamoe.kernels.sm90_config import MoeShape
+    from nvfp4_megamoe.kernels.sm90_decode_attention import sm90_decode_attention
+    from nvfp4_megamoe.kernels.sm90_moe import Sm90Nvfp4Moe
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     h, i, e, k = 4096, 2048, 256, 6
     w = random_moe_weights(e, h, i, generator=gen, device="cuda", distinct_halves=False)
-    layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=10.0, max_tokens=4)
+    layer = Sm90Nvfp4Moe(MoeShape(h, i, e, k, 10.0), max_tokens=4)
     for t in (1, 4):
         x = torch.randn(t, h, device="cuda", generator=gen).bfloat16()
         ids = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices.int()
@@ -63,7 +64,7 @@ def kernel_calls(res: dict) -> None:
         out = torch.empty(t, h, device="cuda")
         res[f"moe_layer_t{t}_us"] = host_us(lambda: layer(x, ids, wts, **w, out=out))
         if t == 1:
-            _, l1, _ = layer.kernels(*layer.config(1))
+            _, l1, _ = layer.kernels(layer.plan(1))
             args = [w["w13"], w["w13_scale"], w["w13_alpha"].reshape(-1), x, layer.zeros, wts.reshape(-1),
                     ids.reshape(k, 1), layer.num_tiles, layer.hbuf[:k], out]
             res["launch_us"] = host_us(lambda: cute_host.launch(l1, args))
@@ -74,20 +75,21 @@ def kernel_calls(res: dict) -> None:
     idx = torch.argsort(torch.rand(1, 2048, device="cuda", generator=gen), dim=1)[:, :512].int().contiguous()
     sink = torch.randn(64, device="cuda", generator=gen)
     o = torch.empty(1, 64, 512, device="cuda", dtype=torch.bfloat16)
-    res["decode_attention_us"] = host_us(lambda: decode_attention(q, kvw, wlen, kvc, idx, sink, 512 ** -0.5, out=o))
+    res["decode_attention_us"] = host_us(lambda: sm90_decode_attention(q, kvw, wlen, kvc, idx, sink, 512 ** -0.5, out=o))
 
 
 def decode_steps(res: dict, steps: int = 20) -> None:
-    import nvfp4_megamoe.kernels.sm90_attention_indexer as m_indexer
     import nvfp4_megamoe.kernels.sm90_decode_attention as m_attention
+    import nvfp4_megamoe.kernels.sm90_indexer as m_indexer
     import nvfp4_megamoe.kernels.sm90_mhc as m_mhc
     import nvfp4_megamoe.kernels.sm90_moe as m_moe
+    import nvfp4_megamoe.kernels.sm90_nvfp4_linear as m_linear
     from nvfp4_megamoe.convert.api import convert_checkpoint
     from nvfp4_megamoe.convert.synth import write_synthetic
     from nvfp4_megamoe.runtime import load_model
 
     spent = {"n": 0, "s": 0.0}
-    for mod in (m_moe, m_attention, m_indexer, m_mhc):  # count and time every kernel launch
+    for mod in (m_moe, m_linear, m_attention, m_indexer, m_mhc):  # count and time every kernel launch
         def timed(op, tensors, orig=mod._launch):
             t0 = time.perf_counter()
             orig(op, tensors)

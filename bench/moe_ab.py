@@ -1,15 +1,16 @@
-"""A/B of tunings of our MoE layer in interleaved rounds, with a per-kernel timeline, on the GPU.
+"""A/B of configurations of the project's MoE layer in interleaved rounds, with a per-kernel timeline, on the GPU.
 
 Where ``moe_bench.py`` times each implementation once after the other, this times the variants in rounds (round r:
 20 cold replays of each variant in turn), because at prefill sizes the H200 runs at its power cap and its clock,
-and so every timing, drifts within a run by more than the differences sought (docs/benchmarks.md, twelfth and
-thirteenth sessions). Then it profiles a few cold replays of each variant (``torch.profiler``) for the graph launch
+and so every timing, drifts within a run by more than the differences sought (``docs/design/moe_kernels.md``, "What
+bounds the layer"). Then it profiles a few cold replays of each variant (``torch.profiler``) for the graph launch
 gap, each kernel's time and the gaps between kernels. Weights are random format 1 in Hopper row tiles (``--target
 sm90``), routing uniform random top-k, as in ``moe_bench.py``.
 
-    python bench/moe_ab.py '{"base": {}, "pdl": {"pdl": true}}' V4-Flash 1 5
-    # VARIANTS (JSON: name -> Sm90NvFp4MoE tuning), MODELS, TOKENS (comma-separated), ROUNDS; writes
-    # $OUT/probe_<models>_<tokens>.json (or ./ without OUT)
+    python bench/moe_ab.py '{"base": {}, "no_pdl": {"both": {"pdl": false, "max_ctas": 0}}}' V4-Flash 1 5
+    # VARIANTS (JSON: name -> spec of ``moe_bench.variant_layer``; weights in row tiles unless the spec says
+    # "weight_tiles": false), MODELS, TOKENS (comma-separated), ROUNDS; writes $OUT/probe_<models>_<tokens>.json
+    # (or ./ without OUT)
 """
 
 from __future__ import annotations
@@ -23,25 +24,23 @@ from pathlib import Path
 import torch
 
 from gpu_timing import ColdTimer, capture, measure_copy
-from moe_bench import LIMIT, MODELS, routed_inputs
+from moe_bench import MODELS, routed_inputs, variant_layer
 
 from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
 from nvfp4_megamoe.kernels.row_tiles import tile_expert_weights
-from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
 
 REPS = 20  # cold replays per variant and round
 
 
 def capture_variants(variants: dict, model: str, w: dict, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor,
                      max_tokens: int) -> tuple[dict, dict, dict]:
-    """Per variant (name -> ``Sm90NvFp4MoE`` tuning) of ``model`` on row-tiled weights ``w``: its layer, the CUDA graph
-    of one call on (``x``, ``ids``, ``wts``), and that call's output (NaN until the graph runs). The caller keeps the
-    layers referenced while the graphs replay: the graphs use their workspaces."""
-    h, i, e, k = MODELS[model]
+    """Per variant (name -> ``moe_bench.variant_layer`` spec, on row-tiled weights ``w``) of ``model``: its layer, the
+    CUDA graph of one call on (``x``, ``ids``, ``wts``), and that call's output (NaN until the graph runs). The caller
+    keeps the layers referenced while the graphs replay: the graphs use their workspaces."""
+    h = MODELS[model][0]
     layers, graphs, outs = {}, {}, {}
-    for name, tuning in variants.items():
-        layer = layers[name] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT,
-                                            max_tokens=max_tokens, tuning=tuning, weight_tiles=True)
+    for name, spec in variants.items():
+        layer = layers[name] = variant_layer(model, {"weight_tiles": True, **spec}, max_tokens)
         out = outs[name] = torch.full((x.shape[0], h), float("nan"), device="cuda")
         graphs[name] = capture(lambda layer=layer, out=out: layer(x, ids, wts, **w, out=out))
     return layers, graphs, outs

@@ -11,7 +11,8 @@ dequantised once, sort/scatter in torch); ``humming`` and ``quack`` anchors when
 ``floor`` = max(NVFP4 bytes of the experts touched / measured copy bandwidth, FLOPs / measured BF16
 matmul rate), both ceilings measured at start. Writes JSON (and a PNG plot with --plot).
 
-    python bench/moe_bench.py --out docs/moe_bench.json --plot docs/moe_bench.png
+    python bench/moe_bench.py --reps 20 --rounds 3 --impls ours,ours_sm90,humming,quack,torch_bf16 \
+        --variants '{"ours_sm90": {"weight_tiles": true}}' --plot bench/results/moe_bench.png
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from gpu_timing import ColdTimer, capture, measure_bf16_matmul, measure_copy  # 
 from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
 from nvfp4_megamoe.kernels.nvfp4_reference import decode_weight
 from nvfp4_megamoe.kernels.row_tiles import tile_expert_weights
-from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
+from nvfp4_megamoe.kernels.sm90_config import MoeShape, replace_tilings
+from nvfp4_megamoe.kernels.sm90_heuristics import moe_plan
+from nvfp4_megamoe.kernels.sm90_moe import Sm90Nvfp4Moe
 
 MODELS = {"V4-Flash": (4096, 2048, 256, 6), "V4-Pro": (7168, 3072, 384, 6)}
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -190,6 +193,24 @@ def humming_layer(w: dict, h: int, i: int, e: int, k: int):
     return build
 
 
+
+def variant_layer(model: str, spec: dict, max_tokens: int) -> Sm90Nvfp4Moe:
+    """Our layer of ``model``, configured by ``spec``: ``weight_tiles`` (w13 and w2 in Hopper row tiles, converter
+    ``--target sm90``), ``wgmma`` (force a path), and ``l1`` / ``l2`` / ``both``: tiling fields replaced in the
+    heuristics' plan (``sm90_config.replace_tilings``). ``{}`` is the shipped configuration on row-major weights."""
+    spec = dict(spec)
+    h, i, e, k = MODELS[model]
+    shape = MoeShape(h, i, e, k, LIMIT, weight_tiles=bool(spec.pop("weight_tiles", False)))
+    wgmma = spec.pop("wgmma", None)
+    changes = {part: spec.pop(part) for part in ("l1", "l2", "both") if part in spec}
+    if spec:
+        raise SystemExit(f"unknown variant keys {sorted(spec)}: use weight_tiles, wgmma, l1, l2, both, tokens")
+    if wgmma is None and not changes:
+        return Sm90Nvfp4Moe(shape, max_tokens)
+    return Sm90Nvfp4Moe(shape, max_tokens,
+                        planner=lambda sh, t, sms: replace_tilings(moe_plan(sh, t, sms, wgmma=wgmma), **changes))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
@@ -197,13 +218,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of --reps replays per implementation")
     ap.add_argument("--impls", default="ours,torch_bf16")
-    ap.add_argument("--out", default="moe_bench.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "moe_bench.json"))
     ap.add_argument("--plot", default=None)
     ap.add_argument("--variant-max-tokens", type=int, default=1 << 30)
-    ap.add_argument("--ours-tuning", default="{}", help="JSON tuning of the main configuration of ours")
     ap.add_argument("--weight-tiles", action="store_true",
-                    help="ours reads w13 and w2 in Hopper row tiles (converter --target sm90); a variant: \"_weight_tiles\"")
-    ap.add_argument("--variants", default="{}", help='JSON {"ours_name": {tuning kwargs}} of extra configurations of ours')
+                    help="ours reads w13 and w2 in Hopper row tiles (converter --target sm90)")
+    ap.add_argument("--variants", default="{}",
+                    help='JSON {"ours_name": spec} of extra configurations of ours (``variant_layer``), e.g. '
+                         '{"ours_sm90": {"weight_tiles": true}}')
     args = ap.parse_args()
     base_impls = args.impls.split(",")
     variant_names = set(json.loads(args.variants))
@@ -225,20 +247,17 @@ def main() -> None:
         # one w13 scale per expert: the anchors (humming, QuACK) take a single global scale per matrix
         w = random_moe_weights(e, h, i, generator=gen, device="cuda", distinct_halves=False)
         per_expert = (w["w13"][0].numel() + w["w13_scale"][0].numel() + w["w2"][0].numel() + w["w2_scale"][0].numel())
-        layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT, max_tokens=max(tokens),
-                             tuning=json.loads(args.ours_tuning), weight_tiles=args.weight_tiles)
+        layer = variant_layer(model, {"weight_tiles": args.weight_tiles}, max(tokens))
         w_tiled = None  # w13 and w2 in Hopper row tiles, for the layers that read them so
         w13b = w2b = None
         quack = None
         humming = None
         variants = {}
         variant_tokens = {}
-        for name, tune in json.loads(args.variants).items():
-            tune = dict(tune)
-            variant_tokens[name] = tune.pop("_tokens", None)  # the T values this variant runs at (None: all)
-            tiles = tune.pop("_weight_tiles", False)  # w13 and w2 in Hopper row tiles (--target sm90)
-            variants[name] = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=LIMIT,
-                                          max_tokens=max(tokens), tuning=tune, weight_tiles=tiles)
+        for name, spec in json.loads(args.variants).items():
+            spec = dict(spec)
+            variant_tokens[name] = spec.pop("tokens", None)  # the T values this variant runs at (None: all)
+            variants[name] = variant_layer(model, spec, max(tokens))
             impls = [m for m in impls if m != name] + [name]
         if "torch_bf16" in impls:
             w13b = torch.stack([decode_weight(w["w13"][j], w["w13_scale"][j], w["w13_alpha"][j, 0]).to(torch.bfloat16)
@@ -262,9 +281,10 @@ def main() -> None:
                 try:
                     if impl.startswith("ours"):
                         lay = layer if impl == "ours" else variants[impl]
-                        if lay.weight_tiles and w_tiled is None:
+                        tiled = lay.shape.weight_tiles
+                        if tiled and w_tiled is None:
                             w_tiled = tile_expert_weights(w)
-                        ww = w_tiled if lay.weight_tiles else w
+                        ww = w_tiled if tiled else w
                         fn = lambda: lay(x, ids, wts, **ww, out=out)  # noqa: E731
                     elif impl == "torch_bf16":
                         run = torch_bf16_layer(w13b, w2b, e, k)

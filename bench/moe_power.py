@@ -1,13 +1,13 @@
 """SM clock and board power while one MoE layer configuration replays for seconds, on the GPU.
 
 At prefill sizes the H200 runs the MoE layer at its power cap (700 W), so a configuration's time is its cycles over
-the clock the cap leaves it. For each variant (a ``Sm90NvFp4MoE`` tuning) in turn this replays the layer's CUDA graph
+the clock the cap leaves it. For each variant (a ``moe_bench.variant_layer`` spec) in turn this replays the layer's CUDA graph
 with a cold L2 for ``SECONDS`` while ``nvidia-smi`` samples the SM clock and the power every 20 ms, and prints the
 medians over the last two thirds (after the clock has settled) with the layer's median time. Weights are random
 format 1 in Hopper row tiles, routing uniform random top-k, as in ``moe_bench.py``.
 
     python bench/moe_power.py '{"two_wg": {}, "one_wg": {"wg": {"warpgroups": 1, "min_ctas": 2}}}' V4-Pro 4096 2
-    # VARIANTS (JSON: name -> tuning), MODEL, T, ROUNDS
+    # VARIANTS (JSON: name -> variant spec), MODEL, T, ROUNDS
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Compile (warm-up) and first-call times of the SM90 MoE layer, in a fresh process on the GPU.
 
-For V4-Flash and V4-Pro expert shapes: time ``Sm90NvFp4MoE.warmup()`` (every configuration a call with
+For V4-Flash and V4-Pro expert shapes: time ``Sm90Nvfp4Moe.warmup()`` (every plan a call with
 T <= 4096 can pick), then two eager calls at T = 1 and T = 4096 (the first one also loads the modules).
 
     python bench/moe_warmup.py
@@ -13,7 +13,8 @@ import time
 import torch
 
 from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
-from nvfp4_megamoe.kernels.sm90_moe import Sm90NvFp4MoE
+from nvfp4_megamoe.kernels.sm90_config import MoeShape
+from nvfp4_megamoe.kernels.sm90_moe import Sm90Nvfp4Moe
 
 MODELS = {"V4-Flash": (4096, 2048, 256, 6), "V4-Pro": (7168, 3072, 384, 6)}
 
@@ -27,7 +28,7 @@ def timed_call(fn) -> float:
 
 
 def measure(name: str, h: int, i: int, e: int, k: int) -> str:
-    layer = Sm90NvFp4MoE(hidden=h, intermediate=i, experts=e, top_k=k, swiglu_limit=10.0, max_tokens=4096)
+    layer = Sm90Nvfp4Moe(MoeShape(h, i, e, k, 10.0), max_tokens=4096)
     t0 = time.perf_counter()
     n = layer.warmup()
     compile_s = time.perf_counter() - t0
@@ -41,7 +42,7 @@ def measure(name: str, h: int, i: int, e: int, k: int) -> str:
         first = timed_call(lambda: layer(x, ids, wts, **w))
         second = timed_call(lambda: layer(x, ids, wts, **w))
         calls.append(f"T={t}: first {first * 1e3:.2f} ms, second {second * 1e3:.2f} ms")
-    return f"{name}: warm-up compiled {n} configurations in {compile_s:.1f} s; " + "; ".join(calls)
+    return f"{name}: warm-up compiled {n} plans in {compile_s:.1f} s; " + "; ".join(calls)
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ builds the sm_90a binary without a GPU (the CI compile tests).
 Kernels are compiled with TVM-FFI (``--enable-tvm-ffi``): the compiled function takes the torch
 tensors themselves and the stream handle, and checks and converts them in C. A launch then costs
 about 10 us of host time instead of about 220 us (``from_dlpack`` per tensor and CuTe's Python
-argument path; measured on the H200 machine, ``docs/benchmarks.md``), which is most of an eager
+argument path; measured on an H200, ``docs/design/runtime.md``), which is most of an eager
 decode step's launch cost.
 
 On disk: ``cute.compile`` bypasses CuTeDSL's own file cache, so each compiled kernel is also written

@@ -39,7 +39,7 @@ def decode_e2m1x8(w):
     # magnitude at bits 6..8 (22..24), one with its sign at bit 15 (31); the copies share no bit, so the
     # product is their OR; a last mask keeps those bits. Nibbles 2, 3 come from the word shifted by 8.
     # Three instructions per word out instead of four shift/mask ones, and the multiply runs on the FMA
-    # pipe, off the integer pipe the masks use (H200: 5-11 % faster from T = 16 on, docs/benchmarks.md).
+    # pipe, off the integer pipe the masks use (H200: 5-11 % faster from T = 16 on, docs/design/moe_kernels.md).
     out = []
     for j in range(4):
         src = w if j < 2 else w >> 8

@@ -5,7 +5,7 @@ Format 1 stores packed weights row-major, [..., M, K/2] bytes. The SM90 GEMMs (`
 time, so one warp load touches 8 rows: 8 half-filled 128-byte lines. Tiled, the 16 rows of a group
 lie k-tile by k-tile, ``[..., M/16, K/128, 16, 64]`` (same bytes, same tensor shape), and a warp's
 k-tile is 1 KB in a row: each load fills 4 whole lines. On an H200 that made a decode MoE layer
-6-9 % faster (``docs/benchmarks.md``). Block scales are not tiled (they keep the 128x4 swizzle).
+6-9 % faster (``docs/design/moe_kernels.md``). Block scales are not tiled (they keep the 128x4 swizzle).
 
 Each 4-byte word of the tiles also holds its 8 codes in Hopper nibble order (:func:`to_hopper_words`): the same 32
 bits, moved so that the kernels decode a word with 8 integer instructions instead of 13

@@ -7,7 +7,7 @@ count; the kernels (``sm90_moe_gemm``, ``sm90_moe_wgmma``) validate them (``can_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GEMM_MODES = ("swiglu", "scatter", "store")
 K_TILE = 128      # logical K per k-tile of both GEMM families (16 bytes of one weight row per lane)
@@ -151,3 +151,14 @@ class MoePlan:
     @property
     def wgmma(self) -> bool:
         return isinstance(self.l1.tiling, WgmmaTiling)
+
+
+def replace_tilings(plan: MoePlan, *, l1: dict | None = None, l2: dict | None = None, both: dict | None = None
+                    ) -> MoePlan:
+    """``plan`` with fields of its GEMMs' tilings replaced (``both``, then ``l1`` / ``l2``): a variant the heuristics
+    do not pick, for tests against the reference and A/B benchmarks. The kernels check the result."""
+    configs = {}
+    for name, own in (("l1", l1), ("l2", l2)):
+        config = getattr(plan, name)
+        configs[name] = replace(config, tiling=replace(config.tiling, **{**(both or {}), **(own or {})}))
+    return replace(plan, **configs)

@@ -34,7 +34,7 @@ read K-major it is B of ``S = Q K^T`` (N = entries), read MN-major (``tnsp_b``) 
 
 Loads: all 256 threads gather rows with ``cp.async`` (zero fill, no HBM read, for invalid entries:
 slot >= window_len, index -1) ``stages - 1`` chunks ahead, each CSA row's entry index read one chunk
-before that (4-8 % faster CSA from B = 32, ``docs/benchmarks.md``); a barrier per chunk publishes the landed
+before that (4-8 % faster CSA from B = 32, ``docs/design/decode_attention.md``); a barrier per chunk publishes the landed
 chunk (after a proxy fence: ``wgmma`` reads shared memory through the async proxy) and frees the slot
 the previous chunk used.
 
@@ -149,7 +149,7 @@ class Sm90DecodeAttention:
                mML: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         split, hb, b = cute.arch.block_idx()
-        cute.arch.griddepcontrol_launch_dependents()  # the combine (PDL) may take its SM slots now; it waits for us
+        cute.arch.griddepcontrol_launch_dependents()  # the combine (PDL) may take its SM slots now; it waits for this grid
         C = self.chunk
         n_splits = mML.shape[2] * self.cluster
         n_heads = mQ.shape[1]

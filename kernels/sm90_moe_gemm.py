@@ -123,18 +123,15 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
         self.nb = tiling.tile_tokens // 8
         self.warps, self.row_tiles = WARPS, tiling.row_tiles
         self.bm = WARPS * 16 * tiling.row_tiles
-        self.split_k = 1
         self.k_warps = tiling.k_warps
         self.threads = WARPS * self.k_warps * 32
         self.n_kt = problem.k // K_TILE // self.k_warps  # k-tiles per warp
         self.depth = tiling.depth
         self.interleave_rows = tiling.interleave_rows
-        self.l2_prefetch = 0
         # L2 of the direct chain waits for L1's h; L1 lets L2 launch at once (it zeroes out itself, and follows
         # whatever ran before, which may still read that memory, so it is not launched early itself)
         self.pdl = tiling.pdl and problem.mode == "scatter"
         self.early_dependents = tiling.pdl and problem.mode == "swiglu"
-        self.pdl_prefetch = False
         self.block_columns = tiling.block_columns
         self.stage_x = tiling.stage_x
         self.min_ctas = 3 if self.stage_x or self.k_warps > 1 else 0
@@ -160,7 +157,7 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
         else:
             n_tiles = mTiles.shape[0]
         self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
-            grid=[self.m // self.bm, n_tiles, self.split_k], block=[self.threads, 1, 1], stream=stream,
+            grid=[self.m // self.bm, n_tiles, 1], block=[self.threads, 1, 1], stream=stream,
             smem=self.smem_bytes, use_pdl=self.pdl, **self.occupancy)
 
     @cute.kernel
@@ -168,12 +165,12 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
                mTok: cute.Tensor, mRW: cute.Tensor, mTiles: cute.Tensor, mNumTiles: cute.Tensor,
                mOut: cute.Tensor, mZero: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
+        # bz is 0 (a grid of one z): the first k-tile reads it all the same, since without the read ptxas allocates
+        # the dense and decode kernels' registers differently (the 4096 x 1024 dense tile of T <= 8: 128 -> 130, one
+        # CTA per SM fewer), and this machine code is the measured one
         bx, by, bz = cute.arch.block_idx()
         if const_expr(self.mode == "swiglu"):
             self.zero_output(mZero, bx, by, tidx)
-        if const_expr(self.pdl and self.mode == "swiglu"):
-            cute.arch.griddepcontrol_wait()              # the routing's tiles are complete from here
-            cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.early_dependents):
             cute.arch.griddepcontrol_launch_dependents()
         warp = tidx // 32 % self.warps        # the row group
@@ -269,15 +266,6 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
         kt_last = kt0 + n_kt - 1
         for d in cutlass.range_constexpr(D):
             self.load_a(wbuf, sbuf, a_addr, s_addr, d, kt0 + d)
-        if const_expr(self.pdl_prefetch):
-            # one lane per row: the rest of the row's slice, a 128-byte line per two k-tiles (row tiles: the
-            # row's 64 bytes of every k-tile, which two rows share a line of)
-            step = 1 if self.weight_tiles else 2
-            if c == 0:
-                for mt in cutlass.range_constexpr(self.row_tiles):
-                    for h in cutlass.range_constexpr(2):
-                        for j in cutlass.range((kt0 + D) // step, (kt0 + n_kt) // step, unroll=1):
-                            ptx.prefetch_l2(a_addr[mt, h] + Int64(j * step * self.kt_bytes))
         if const_expr(self.pdl and self.mode == "scatter"):
             cute.arch.griddepcontrol_wait()  # L1's h (the B operand) is complete from here
         if const_expr(self.stage_x):  # while the first weight k-tiles are on their way
@@ -399,7 +387,7 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
     def mma_ktile(self, cw: cute.Tensor, cs: cute.Tensor, xw: cute.Tensor, acc: cute.Tensor):
         # The MMAs' order changes no result (each accumulator sees its k16 steps in the same order), only the
         # schedule: interleaved, the row tiles' accumulator chains overlap, but ptxas takes more registers (V4-Flash
-        # L2: 138 instead of 128, 3 CTAs per SM instead of 4). Which pays depends on T (``Sm90NvFp4MoE.config``).
+        # L2: 138 instead of 128, 3 CTAs per SM instead of 4). Which pays depends on T (``sm90_heuristics.moe_plan``).
         # decoded A words: a[mt, h, w, j] = (v_j, v_{j+4}) of word w of row h of row tile mt, times its block scale
         # (block_columns: unscaled, and the MMAs go to per-k-tile sums ``d``, see below)
         a = cute.make_rmem_tensor((self.row_tiles, 2, 4, 4), Int32)

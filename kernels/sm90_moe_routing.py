@@ -51,7 +51,7 @@ class Sm90MoeRouting:
     @cute.kernel
     def kernel(self, mIds: cute.Tensor, mW: cute.Tensor, mTok: cute.Tensor, mWOut: cute.Tensor,
                mTiles: cute.Tensor, mNumTiles: cute.Tensor, mRank: cute.Tensor):
-        cute.arch.griddepcontrol_launch_dependents()  # L1 (launched with PDL) may start; it waits for us
+        cute.arch.griddepcontrol_launch_dependents()  # L1 (launched with PDL) may start; it waits for this grid
         E, bn = self.experts, self.bn
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % 32

@@ -125,7 +125,6 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
         self.l2_ahead = tiling.l2_ahead
         self.prefetch_next = tiling.prefetch_next
         self.block_columns = False
-        self.l2_prefetch = 0
         self.epi_scale = float(2 ** e2m1r.EPILOGUE_LOG2)
         self.region = self.bn * 128          # bytes of one 64-K half of a staged tile
         self.stage_bytes = 2 * self.region   # one 128-K tile
@@ -286,7 +285,7 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
                 cute.arch.cp_async_commit_group()
                 stage = s_smem + (kt % S) * self.stage_bytes
                 # each step's descriptor is the stage's plus its offset / 16: an add instead of a rebuild (no carry out
-                # of the 14-bit address field below 256 KiB; V4-Pro T = 1024 5621 -> 5382 us on an H200, docs/benchmarks.md)
+                # of the 14-bit address field below 256 KiB; V4-Pro T = 1024 5621 -> 5382 us on an H200, docs/design/moe_kernels.md)
                 desc0 = ptx.smem_desc_sw128(stage)
                 # decoded A: a[mt, h, w, j] = (v_j, v_{j+4}) of word w of row mt * 16 + g + 8 h, times its block scale;
                 # each m64 MMA its own commit group, so that the decode of one runs while the other's MMAs do

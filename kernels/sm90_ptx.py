@@ -32,24 +32,15 @@ def _unpack(res, n: int, ty, wrap, loc=None, ip=None):
     return tuple(wrap(llvm.extractvalue(ty, res, [i], loc=loc, ip=ip)) for i in range(n))
 
 
-L2_PREFETCH_BYTES = (0, 64, 128, 256)
 SMEM_LIMIT = 227 * 1024  # shared memory one CTA may ask for on sm_90 (the launch fails above it)
 
 
 @dsl_user_op
-def ld_global_v4(addr: Int64, l2_prefetch: int = 0, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
-    """16 bytes from a 16-aligned global address, read-only cache path, not kept in L1.
-
-    ``l2_prefetch`` (0, 64, 128 or 256): the L2 fetches that many bytes around the access (PTX
-    ``.L2::<n>B``), so a weight row streamed 64 bytes per k-tile has the next k-tiles on their way
-    from HBM before they are asked for (a prefetch deeper than the register pipeline, at no register cost).
-    """
-    if l2_prefetch not in L2_PREFETCH_BYTES:
-        raise ValueError(f"l2_prefetch must be one of {L2_PREFETCH_BYTES}, got {l2_prefetch}")
-    hint = f".L2::{l2_prefetch}B" if l2_prefetch else ""
+def ld_global_v4(addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32, Int32, Int32]:
+    """16 bytes from a 16-aligned global address, read-only cache path, not kept in L1 (the weights: read once)."""
     res = llvm.inline_asm(
         _struct(4), [Int64(addr).ir_value(loc=loc, ip=ip)],
-        f"ld.global.nc.L1::no_allocate{hint}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
+        "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
         "=r,=r,=r,=r,l", has_side_effects=False, loc=loc, ip=ip)
     return _unpack(res, 4, T.i32(), Int32, loc, ip)
 

@@ -1,4 +1,4 @@
-"""The 128x4 block-scale swizzle that Blackwell block-scaled MMA reads (and our Hopper kernels too).
+"""The 128x4 block-scale swizzle that Blackwell block-scaled MMA reads (and the Hopper kernels here too).
 
 Scales of an [M, K] NVFP4 matrix form an [M, Kb] byte matrix (Kb = K/16). Rows are padded to a
 multiple of 128 and scale columns to a multiple of 4, with zero bytes. Row m, scale column kb

@@ -177,7 +177,7 @@ class HopperBackend(ReferenceBackend):
             return super().indexer_topk(q, keys, weights, k, n_valid)
         b, heads, dim = q.shape
         shape = (heads, dim, k, str(q.device))
-        if shape not in self._indexer_ready:  # every sort size now, not when the entries first cross one
+        if shape not in self._indexer_ready:  # every sort size at the first call, not when the entries first cross one
             sm90_indexer.warmup(heads, dim, k, q.device)
             self._indexer_ready.add(shape)
         q, keys, weights = q.to(torch.bfloat16).contiguous(), keys.to(torch.bfloat16).contiguous(), weights.float()

@@ -43,17 +43,3 @@ def hc_weights_args(hc: int, n: int = 5) -> list[torch.Tensor]:
     return [torch.zeros(n, m), torch.zeros(m), torch.zeros(3), torch.zeros(n, hc), torch.zeros(n, hc),
             torch.zeros(n, hc * hc)]
 
-
-def tweak(plan, **changes):
-    """``plan`` with fields of its GEMMs' tilings replaced: ``l1=dict(..)``, ``l2=dict(..)``, ``both=dict(..)``
-    (a valid configuration the heuristics do not pick, to run against the reference)."""
-    import dataclasses
-
-    both = changes.pop("both", {})
-    configs = {}
-    for name in ("l1", "l2"):
-        config = getattr(plan, name)
-        fields = {**both, **changes.pop(name, {})}
-        configs[name] = dataclasses.replace(config, tiling=dataclasses.replace(config.tiling, **fields))
-    assert not changes, f"unknown plan parts {sorted(changes)}"
-    return dataclasses.replace(plan, **configs)

@@ -24,7 +24,8 @@ from nvfp4_megamoe.kernels.sm90_config import GemmProblem, MmaTiling, MoeShape, 
 from nvfp4_megamoe.kernels.sm90_moe import Sm90Nvfp4Moe, gemm_kernel  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4MmaGemm  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm  # noqa: E402
-from sm90_stand_ins import moe_gemm_args, tweak  # noqa: E402
+from nvfp4_megamoe.kernels.sm90_config import replace_tilings  # noqa: E402
+from sm90_stand_ins import moe_gemm_args  # noqa: E402
 
 if os.environ["CUTE_DSL_ARCH"] != "sm_90a":
     pytest.skip("CUTE_DSL_ARCH is set to another target", allow_module_level=True)
@@ -66,7 +67,7 @@ def test_moe_plans_compile_sm90a(model, tokens, tiles):
 ])
 def test_direct_variants_compile_sm90a(variant):
     """Valid configurations the heuristics do not pick at T = 2 (the GPU tests run them against the reference)."""
-    plan = tweak(heur.moe_plan(_shape("flash"), 2), **variant)
+    plan = replace_tilings(heur.moe_plan(_shape("flash"), 2), **variant)
     _compile_plan(plan, *V4["flash"][:2], ids_dtype=torch.int32)
 
 

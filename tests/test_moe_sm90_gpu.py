@@ -52,11 +52,11 @@ def _layer(shape: str, planner=None, tiles: bool = False):
 
 
 def _tweaked(**changes):
-    """A planner: the heuristics' plan with fields of its tilings replaced (``sm90_stand_ins.tweak``)."""
+    """A planner: the heuristics' plan with fields of its tilings replaced (``sm90_config.replace_tilings``)."""
+    from nvfp4_megamoe.kernels.sm90_config import replace_tilings
     from nvfp4_megamoe.kernels.sm90_heuristics import moe_plan
-    from sm90_stand_ins import tweak
     wgmma = changes.pop("wgmma", None)
-    return lambda shape, t, sms: tweak(moe_plan(shape, t, sms, wgmma=wgmma), **changes)
+    return lambda shape, t, sms: replace_tilings(moe_plan(shape, t, sms, wgmma=wgmma), **changes)
 
 
 def _routed(shape, t, sms):
@@ -88,7 +88,7 @@ PLANNERS = {
     "wgmma-depth2": _tweaked(wgmma=True, both=dict(depth=2)),
     "rows2": _tweaked(both=dict(row_tiles=2, depth=2, max_ctas=0), l1=dict(k_warps=1)),
     "rows1": _tweaked(both=dict(row_tiles=1, depth=4, interleave_rows=False)),
-    "small-rows2": _tweaked(both=dict(row_tiles=2, depth=2)),
+    "small-rows2": _tweaked(wgmma=False, both=dict(row_tiles=2, depth=2)),
     "interleaved": _tweaked(both=dict(interleave_rows=True)), "not-interleaved": _tweaked(both=dict(interleave_rows=False)),
     "routed": _routed, "direct-to-8": _direct_up_to_8,
     "block-columns": _tweaked(both=dict(block_columns=True)),
