@@ -132,10 +132,16 @@ def _store_cached(where: tuple[Path, str], fn) -> None:
             tmp.unlink(missing_ok=True)
 
 
+def compile_key(op, tensors: list[torch.Tensor]) -> tuple:
+    """What a compiled function is specialised on: the op's configuration and each operand's dtype, rank, alignment
+    and device type (a function compiled for CPU tensors, as the CI's sm_90a builds are, refuses CUDA ones)."""
+    return type(op).__name__, op.key(), tuple((t.dtype, t.dim(), _alignment(t), t.device.type) for t in tensors)
+
+
 def compile_op(op, tensors: list[torch.Tensor]) -> Callable:
     """Compile ``op`` for these tensors' dtypes, ranks and alignments (shapes stay dynamic), cached
     in-process and on disk. The result is called as ``fn(*tensors, stream_handle)``."""
-    key = (type(op).__name__, op.key(), tuple((t.dtype, t.dim(), _alignment(t)) for t in tensors))
+    key = compile_key(op, tensors)
     fn = _COMPILED.get(key)
     if fn is None:
         where = _cache_file(key)

@@ -49,6 +49,15 @@ def test_second_process_loads_instead_of_compiling(cache, monkeypatch):
     assert loaded is not first and callable(loaded) and type(loaded).__module__.startswith("tvm_ffi")
 
 
+def test_the_key_tells_cpu_from_cuda_operands():
+    """A function compiled on CPU stand-ins (CI) checks the device type of its arguments: a CUDA call must not get it
+    from the in-process or the disk cache."""
+    op, args = Sm90MoeRouting(experts=256, top_k=6, tile_tokens=8), _routing_args()
+    on_meta = [torch.empty(a.shape, dtype=a.dtype, device="meta") for a in args]
+    cpu, meta = cute_host.compile_key(op, args), cute_host.compile_key(op, on_meta)
+    assert cpu != meta and cpu[:2] == meta[:2] and {d for *_, d in cpu[2]} == {"cpu"}
+
+
 def test_other_configurations_get_other_files(cache):
     cute_host.compile_op(Sm90MoeRouting(experts=256, top_k=6, tile_tokens=8), _routing_args())
     cute_host.compile_op(Sm90MoeRouting(experts=256, top_k=6, tile_tokens=16), _routing_args())
