@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from nvfp4_megamoe.errors import FormatError
+
 FORMAT_NAME = "nvfp4-megamoe"
 FORMAT_VERSION = 1  # the manifest of a canonical (``--target sm100``) checkpoint, and every shard header
 # the manifest of a ``--target sm90`` checkpoint since its row tiles hold Hopper-order words: readers from before
@@ -22,10 +24,6 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 
 # Keys every shard header's __metadata__ carries.
 SHARD_METADATA = {"format": "pt", "nvfp4_format": FORMAT_NAME, "nvfp4_format_version": str(FORMAT_VERSION)}
-
-
-class FormatError(ValueError):
-    """A folder is not a format-1 checkpoint this version can read; the message says what to do."""
 
 
 def shard_name(i: int, n: int) -> str:
