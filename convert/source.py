@@ -193,6 +193,11 @@ class ValueScreen:
                 self._note((t < 0) | (t >= self.index_limit), base, f"indices outside [0, {self.index_limit})",
                            f"expert indices below n_routed_experts = {self.index_limit}")
 
+    def problems(self) -> list[str]:
+        """What was found, one sentence per kind of bad value (empty when the values hold)."""
+        return [f"holds {count} {what}, the first at flat index {first}; expected {expected}"
+                for what, (count, first, expected) in self.found.items()]
+
     def finish(self) -> None:
         """Raise the first problem found, as a :class:`SourceError` naming the tensor and its file."""
         for what, (count, first, expected) in self.found.items():
