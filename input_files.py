@@ -38,7 +38,7 @@ def file_kind(path: PathLike) -> str | None:
     """None when nothing is at ``path`` (symbolic links followed), else what is there (:func:`kind_of`)."""
     try:
         return kind_of(os.stat(path).st_mode)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectoryError: a parent is a file
         return None
     except OSError as exc:
         return f"unreadable ({exc.strerror})"
