@@ -424,3 +424,17 @@ def test_non_regular_source_files_are_reported_as_such(src, tmp_path, what, kind
     result = within(60, lambda: cli("convert", src, tmp_path / "out", "--no-progress"))
     msg = refused(result, path.name, kind, "not a regular file")
     assert "missing" not in msg and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["fifo-manifest", "mistyped-config"])
+def test_inspect_refuses_cleanly(tmp_path_factory, tmp_path, case):
+    if case == "fifo-manifest":
+        path = copy_tree(converted(tmp_path_factory, "flash"), tmp_path / "out")
+        (path / MANIFEST).unlink()
+        os.mkfifo(path / MANIFEST)
+        expect = "FIFO"
+    else:
+        path = copy_tree(pristine(tmp_path_factory, "flash"), tmp_path / "src")
+        edit_json(path / "config.json", lambda c: c.__setitem__("num_hidden_layers", "5"))
+        expect = "'num_hidden_layers' is '5'"
+    refused(within(60, lambda: cli("inspect", path)), expect)
