@@ -97,7 +97,9 @@ def check_files(out: Path, fail: Fail, warn: Callable[[str], None]) -> Layout:
     for name in sorted(set(shards) - lay.bad_shards):
         path = out / name
         size, want = os.path.getsize(path), shards[name].get("size")
-        if want is not None and size != want:
+        if want is not None and (not isinstance(want, int) or isinstance(want, bool)):
+            fail(None, name, f"the manifest records its size as {want!r}, not a number of bytes")
+        elif want is not None and size != want:
             fail(None, name, f"shard is {size} bytes, the manifest records {want}"
                  + (" (truncated)" if size < want else ""))
         try:

@@ -18,8 +18,9 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from nvfp4_megamoe.errors import shown
 from nvfp4_megamoe.input_files import file_kind, not_regular, open_regular, read_json_object
 
 from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, FormatError, check_shard_name, read_manifest
@@ -56,11 +57,21 @@ class Checkpoint:
     def _open(self, shard: str):
         handle = self._handles.get(shard)
         if handle is None:
-            handle = safe_open(str(self.path / shard), framework="pt")
+            try:
+                handle = safe_open(str(self.path / shard), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise FormatError(f"{self.path / shard}: the shard cannot be read as safetensors ({exc}); it is "
+                                  "corrupt or truncated: copy it again, or convert again.", path=self.path / shard) from None
             meta = handle.metadata() or {}
             if meta.get("nvfp4_format") != FORMAT_NAME or meta.get("nvfp4_format_version") != str(FORMAT_VERSION):
                 raise FormatError(f"{self.path / shard}: header metadata {meta} is not {FORMAT_NAME} "
                                   f"version {FORMAT_VERSION}; re-convert or upgrade nvfp4-megamoe")
+            held = set(handle.keys())
+            absent = sorted(t for t, f in self.weight_map.items() if f == shard and t not in held)
+            if absent:
+                raise FormatError(f"{self.path / shard}: holds no tensor {shown(absent[0])!r}, which {INDEX_FILE} maps "
+                                  f"to it ({len(absent)} such); the index and the shard disagree: convert again.",
+                                  path=self.path / shard, tensor=absent[0])
             self._handles[shard] = handle
         return handle
 

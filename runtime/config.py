@@ -8,7 +8,6 @@ transformers 5.x spelling (``layer_types``, ``mlp_layer_types``, ``partial_rotar
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from .format import FormatError
 
 _MISSING = object()
 COMPRESS_RATIOS = (0, 4, 128)
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")  # the router scores kernels/router_reference.py computes
 
 
 def config_int(cfg: dict, key: str, default: object = _MISSING, minimum: int = 1) -> int:
@@ -32,13 +32,22 @@ def config_int(cfg: dict, key: str, default: object = _MISSING, minimum: int = 1
     return value
 
 
-def config_float(cfg: dict, key: str, default: float) -> float:
-    """``cfg[key]`` (or ``default``) as a finite float; :class:`FormatError` otherwise."""
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def config_float(cfg: dict, key: str, default: object = _MISSING, above: float | None = None) -> float:
+    """``cfg[key]`` (or ``default``) as a float finite in float32 (the runtime computes in it) and, when ``above``
+    is given, greater than it; :class:`FormatError` otherwise."""
     value = cfg.get(key, default)
     if value is None:
         value = default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise FormatError(f"config.json: {key!r} is {value!r}; expected a finite number. Fix config.json.")
+    if value is _MISSING:
+        raise FormatError(f"config.json: the field {key!r} is missing (a number). Fix config.json.")
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not abs(value) <= FLOAT32_MAX
+            or (above is not None and not value > above)):
+        bound = f" greater than {above:g}" if above is not None else ""
+        raise FormatError(f"config.json: {key!r} is {value!r}; expected a number{bound}, finite in float32. Fix "
+                          "config.json.")
     return float(value)
 
 
@@ -133,15 +142,15 @@ class ModelConfig:
         if rope_dim % 2 or not 0 < rope_dim <= head_dim:
             raise FormatError(f"config.json: the rotary dimension {rope_dim} must be even and in (0, head_dim = "
                               f"{head_dim}]")
-        main_theta = config_float(cfg, "rope_theta", 10000.0)
-        compress_theta = config_float(cfg, "compress_rope_theta", 160000.0)
+        main_theta = config_float(cfg, "rope_theta", 10000.0, above=1.0)
+        compress_theta = config_float(cfg, "compress_rope_theta", 160000.0, above=1.0)
         scaling = cfg.get("rope_scaling")
         params = cfg.get("rope_parameters")
         if isinstance(params, dict) and isinstance(params.get("compress"), dict):
             main = params.get("main")
-            main_theta = config_float(main if isinstance(main, dict) else {}, "rope_theta", main_theta)
+            main_theta = config_float(main if isinstance(main, dict) else {}, "rope_theta", main_theta, above=1.0)
             scaling = params["compress"]
-            compress_theta = config_float(scaling, "rope_theta", compress_theta)
+            compress_theta = config_float(scaling, "rope_theta", compress_theta, above=1.0)
         elif scaling is None and isinstance(params, dict):
             scaling = params
         if scaling is not None and not isinstance(scaling, dict):
@@ -149,7 +158,7 @@ class ModelConfig:
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if kind == "yarn":
             compress_rope = RopeConfig(
-                compress_theta, rope_dim, config_float(scaling, "factor", math.nan),
+                compress_theta, rope_dim, config_float(scaling, "factor", above=0.0),
                 config_int(scaling, "original_max_position_embeddings"),
                 config_float(scaling, "beta_fast", 32.0) or 32.0, config_float(scaling, "beta_slow", 1.0) or 1.0)
         elif kind in (None, "default"):
@@ -163,18 +172,20 @@ class ModelConfig:
         if top_k > experts:
             raise FormatError(f"config.json: num_experts_per_tok = {top_k} exceeds n_routed_experts = {experts}")
         scoring = cfg.get("scoring_func", "sqrtsoftplus")
-        if not isinstance(scoring, str):
-            raise FormatError(f"config.json: scoring_func is {scoring!r}; expected a string")
+        if scoring not in SCORING_FUNCS:
+            raise FormatError(f"config.json: scoring_func is {scoring!r}; expected one of {SCORING_FUNCS}")
         return cls(
             vocab_size=config_int(cfg, "vocab_size"), hidden_size=config_int(cfg, "hidden_size"), num_layers=n,
             num_heads=heads, head_dim=head_dim, rope_dim=rope_dim,
             q_lora_rank=config_int(cfg, "q_lora_rank"), o_groups=groups, o_lora_rank=config_int(cfg, "o_lora_rank"),
             n_routed_experts=experts, top_k=top_k,
             moe_intermediate_size=config_int(cfg, "moe_intermediate_size"), num_hash_layers=n_hash,
-            routed_scaling_factor=config_float(cfg, "routed_scaling_factor", 1.0),
-            swiglu_limit=config_float(cfg, "swiglu_limit", 10.0), sliding_window=config_int(cfg, "sliding_window", 128),
+            routed_scaling_factor=config_float(cfg, "routed_scaling_factor", 1.0, above=0.0),
+            swiglu_limit=config_float(cfg, "swiglu_limit", 10.0, above=0.0),
+            sliding_window=config_int(cfg, "sliding_window", 128),
             hc_mult=config_int(cfg, "hc_mult", 4), hc_sinkhorn_iters=config_int(cfg, "hc_sinkhorn_iters", 20),
-            hc_eps=config_float(cfg, "hc_eps", 1e-6), rms_norm_eps=config_float(cfg, "rms_norm_eps", 1e-6),
+            hc_eps=config_float(cfg, "hc_eps", 1e-6, above=0.0),
+            rms_norm_eps=config_float(cfg, "rms_norm_eps", 1e-6, above=0.0),
             index_n_heads=config_int(cfg, "index_n_heads", 64), index_head_dim=config_int(cfg, "index_head_dim", 128),
             index_topk=config_int(cfg, "index_topk", 512), compress_ratios=ratios,
             main_rope=RopeConfig(main_theta, rope_dim), compress_rope=compress_rope,

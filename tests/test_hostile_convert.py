@@ -350,6 +350,18 @@ def test_verify_fails_when_it_cannot_do_the_round_trip(tmp_path_factory, tmp_pat
     assert result.exit_code == 2 and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("edit", [lambda m: m["shards"][next(iter(m["shards"]))].__setitem__("size", [1, 2]),
+                                  lambda m: m["shards"][next(iter(m["shards"]))].__setitem__("tensors", 7),
+                                  lambda m: m.__setitem__("source", True), lambda m: m.__setitem__("tensors", [])])
+def test_verify_reports_a_manifest_of_wrong_types(tmp_path_factory, tmp_path, edit):
+    out = copy_tree(converted(tmp_path_factory, "flash"), tmp_path / "out")
+    edit_json(out / MANIFEST, edit)
+    result = cli("verify", out, "--no-progress", "--fast")
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output and "FAILED" in result.output, result.output
+
+
 def test_structure_only_still_screens_every_value(tmp_path_factory, tmp_path):
     out = copy_tree(converted(tmp_path_factory, "flash"), tmp_path / "out")
     poke(out, "layers.2.ffn_norm.weight", b"\xc0\x7f", at=8)

@@ -69,6 +69,24 @@ def test_a_config_field_of_the_wrong_type(out, value):
     _refused(out, "config.json", "'hidden_size'")
 
 
+@pytest.mark.parametrize("field, value", [("scoring_func", "x"), ("compress_rope_theta", 1), ("rms_norm_eps", -1),
+                                          ("routed_scaling_factor", 1e308), ("num_hash_layers", 9)])
+def test_config_values_the_model_cannot_compute_with(out, field, value):
+    edit_json(out / "config.json", lambda c: c.__setitem__(field, value))
+    _refused(out, "config.json", field)
+
+
+def test_a_corrupt_shard_header_or_an_index_the_shard_contradicts(out):
+    shard = next(out.glob("model-*.safetensors"))
+    edit_json(out / INDEX, lambda i: i["weight_map"].__setitem__("norm.weight.extra", shard.name))
+    _refused(out, "holds no tensor 'norm.weight.extra'")
+    edit_json(out / INDEX, lambda i: i["weight_map"].pop("norm.weight.extra"))
+    with open(shard, "r+b") as f:
+        f.seek(9)
+        f.write(b"\xff")  # not UTF-8
+    _refused(out, shard.name, "cannot be read as safetensors")
+
+
 @pytest.mark.parametrize("tensor, value", [
     ("layers.1.ffn.experts.w13.alpha", float("nan")), ("layers.1.ffn.experts.w2.alpha", 0.0),
     ("layers.2.attn.wq_b.alpha", float("inf")), ("layers.0.ffn.shared_experts.w13.alpha", -1.0),
