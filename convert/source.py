@@ -104,6 +104,8 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 # The largest magnitude an element of each block-scaled weight format holds (the scales multiply it).
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
 SCAN_CHUNK = 16 << 20  # bytes of a streamed tensor checked at a time
+HUGE = 2.0**64  # a float value beyond this has a square that overflows float32
+_FLOATS = ("F64", "F32", "F16", "BF16")
 
 
 def _bad_values(t: torch.Tensor, dtype: str) -> torch.Tensor | None:
@@ -121,7 +123,7 @@ def _bad_values(t: torch.Tensor, dtype: str) -> torch.Tensor | None:
         if not b.numel() or (int(b.view(torch.int8).max()) < m and int(b.max()) < m | 0x80):
             return None
         return (b & 0x7F) >= m
-    if dtype in ("F64", "F32", "F16", "BF16"):
+    if dtype in _FLOATS:
         return ~torch.isfinite(t)
     return None
 
@@ -139,7 +141,7 @@ def _overflowing_scales(t: torch.Tensor, dtype: str, element_max: float) -> tupl
         if not b.numel() or int(b.max()) <= top:
             return None
         return b > top, f"E8M0 scale bytes above 0x{top:02X} (2**{top - 127})"
-    if dtype in ("F64", "F32", "F16", "BF16"):
+    if dtype in _FLOATS:
         limit = FLOAT32_MAX / element_max
         over = t.float().abs() > limit
         return (over, f"block scales above {limit:.3g}") if bool(over.any()) else None
@@ -156,7 +158,8 @@ def _refuse(name: str, file: str, dtype: str, shape: tuple[int, ...] | list[int]
 class ValueScreen:
     """What a tensor's values must satisfy, checked on the whole tensor or chunk by chunk.
 
-    Always: no NaN/Inf float, no NaN 8-bit float code, no E8M0 0xFF. ``element_max``: the tensor holds
+    Always: no NaN/Inf float, no float beyond +-2**64 (its square overflows float32, in which the runtime
+    computes), no NaN 8-bit float code, no E8M0 0xFF. ``element_max``: the tensor holds
     block scales of elements up to that magnitude, and their products must be finite in float32 (an
     E8M0 byte 0xFE times any E2M1 or E4M3 element overflows). ``index_limit``: the tensor holds indices,
     which must lie in ``[0, index_limit)`` (a hash layer's ``tid2eid`` names experts).
@@ -182,6 +185,10 @@ class ValueScreen:
             what = {"F8_E8M0": "E8M0 scale bytes 0xFF (NaN)", "F8_E4M3": "E4M3 NaN bytes (0x7F/0xFF)",
                     "F8_E5M2": "E5M2 Inf/NaN bytes"}.get(self.dtype, "NaN/Inf values")
             self._note(bad, base, what, "finite values")
+        if self.dtype in _FLOATS and t.numel() and float(t.abs().amax()) > HUGE:  # a NaN is reported above
+            self._note(t.abs() > HUGE, base, "values beyond +-2**64",
+                       "magnitudes whose squares are finite in float32 (the runtime squares and sums values in norms "
+                       "and dot products)")
         if self.element_max is not None:
             over = _overflowing_scales(t, self.dtype, self.element_max)
             if over is not None:

@@ -158,6 +158,7 @@ def test_layers_the_config_does_not_declare_or_misses(src, tmp_path, field, valu
     ("flash", "layers.2.hc_attn_fn", struct.pack("<f", float("nan")), "NaN/Inf", ()),
     ("flash", "hc_head_base", struct.pack("<f", float("-inf")), "NaN/Inf", ()),
     ("flash", "layers.3.attn.compressor.ape", struct.pack("<f", float("nan")), "NaN/Inf", ()),
+    ("flash", "layers.2.attn.kv_norm.weight", b"\x00\xfe", "values beyond +-2**64", ()),    # BF16 -1.7e38
     ("flash", "layers.2.attn.wq_a.weight", b"\x7f", "E4M3 NaN", ("--dense", "keep")),
     ("flash", "layers.2.attn.wq_a.scale", b"\xff", "E8M0 scale bytes 0xFF", ("--dense", "keep")),
     ("flash", "layers.2.attn.wq_a.scale", b"\xfe", "E8M0 scale bytes above 0xF6", ("--dense", "keep")),
