@@ -165,7 +165,7 @@ def test_layers_the_config_does_not_declare_or_misses(src, tmp_path, field, valu
     ("flash", "layers.2.attn.wq_a.scale", b"\xf7", "E8M0 scale bytes above 0xF6", ()),
     ("flash", "layers.1.ffn.experts.5.w3.scale", b"\xfe", "E8M0 scale bytes above 0xFC", ()),
     ("flash", "layers.1.ffn.experts.5.w3.scale", b"\xfd", "E8M0 scale bytes above 0xFC", ()),
-    ("base", "layers.2.attn.wq_a.scale", struct.pack("<f", 1e36), "block scales above", ("--dense", "keep")),
+    ("base", "layers.2.attn.wq_a.scale", struct.pack("<f", 1e36), "values beyond +-2**64", ("--dense", "keep")),
     ("flash", "layers.0.ffn.gate.tid2eid", struct.pack("<q", 8), "indices outside [0, 8)", ()),
     ("flash", "layers.0.ffn.gate.tid2eid", struct.pack("<q", -1), "indices outside [0, 8)", ()),
 ])
