@@ -1,8 +1,8 @@
-"""Helpers of the hostile-input tests: tiny synthetic checkpoints built once per session, edits on disk as a
+"""Helpers of the hostile-input tests: tiny synthetic checkpoints built once per pytest run, edits on disk as a
 user or an attacker would make them, and the refusal contract.
 
 The checkpoints come from the project's synth (``tiny`` preset) and are never modified: a test copies
-one and edits its copy. :func:`pristine` and :func:`converted` cache by variant for the whole session
+one and edits its copy. :func:`pristine` and :func:`converted` cache by variant for the whole pytest run
 (they take pytest's session-wide ``tmp_path_factory``), so every test module shares one build.
 """
 
@@ -31,7 +31,7 @@ _BUILT: dict[tuple, object] = {}
 
 
 def pristine(factory, variant: str = "flash") -> Path:
-    """The tiny synthetic source of ``variant`` (built once per session; never edit it, copy it)."""
+    """The tiny synthetic source of ``variant`` (built once per pytest run; never edit it, copy it)."""
     key = ("src", variant)
     if key not in _BUILT:
         _BUILT[key] = write_synthetic(factory.mktemp(f"pristine-{variant}") / "src", preset="tiny", variant=variant)
@@ -39,7 +39,7 @@ def pristine(factory, variant: str = "flash") -> Path:
 
 
 def converted(factory, variant: str = "flash", **options) -> Path:
-    """The conversion of :func:`pristine` ``variant`` with ``options`` (built once per session; never edit it)."""
+    """The conversion of :func:`pristine` ``variant`` with ``options`` (built once per pytest run; never edit it)."""
     key = ("out", variant, tuple(sorted(options.items())))
     if key not in _BUILT:
         out = factory.mktemp(f"converted-{variant}") / "out"
