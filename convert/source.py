@@ -166,7 +166,7 @@ class ValueScreen:
                  element_max: float | None = None, index_limit: int | None = None):
         self.name, self.file, self.dtype, self.shape = name, file, dtype, shape
         self.element_max, self.index_limit = element_max, index_limit
-        self.found: dict[str, list[int]] = {}  # what -> [count, first flat index, expected]
+        self.found: dict[str, list] = {}  # what -> [count, first flat index, what was expected]
 
     def _note(self, mask: torch.Tensor, base: int, what: str, expected: str) -> None:
         flat = mask.reshape(-1)
