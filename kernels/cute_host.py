@@ -165,6 +165,9 @@ def launch(op, tensors: list[torch.Tensor]) -> None:
 
 
 def expect(cond: bool, msg: str) -> None:
-    """Host-side argument check: raise ``ValueError(msg)`` unless ``cond``."""
+    """Host-side argument check: raise :class:`~nvfp4_megamoe.errors.KernelArgumentError` (a ``ValueError``)
+    with ``msg`` unless ``cond``."""
     if not cond:
-        raise ValueError(msg)
+        from nvfp4_megamoe.errors import KernelArgumentError
+
+        raise KernelArgumentError(msg)

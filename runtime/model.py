@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nvfp4_megamoe.errors import InputError
+
 from .backend import ReferenceBackend
 from .hopper import HopperBackend, hopper_available
 from .checkpoint import Checkpoint
@@ -27,6 +29,20 @@ from .state import CompressorState, DecodeState, LayerState
 from .weights import CompressorWeights, LayerWeights, ModelWeights, WeightLoader
 
 _NEG_INF = float("-inf")
+
+
+def check_token_ids(ids: torch.Tensor, vocab: int) -> None:
+    """Refuse what the embedding cannot look up, saying so (torch says only ``index out of range in self``,
+    and on a GPU an out-of-range id is a device-side assert that ends the process's CUDA context)."""
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise InputError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
+    if not ids.numel():
+        return
+    lo, hi = (int(v) for v in torch.aminmax(ids))  # one small reduction (one device sync on a GPU)
+    if lo < 0 or hi >= vocab:
+        where = ((ids < 0) | (ids >= vocab)).nonzero()[0].tolist()
+        raise InputError(f"token ids must lie in [0, {vocab}) (the model's vocab_size); input_ids{where} is "
+                         f"{int(ids[tuple(where)])} (min {lo}, max {hi})")
 
 
 class Model:
@@ -79,6 +95,7 @@ class Model:
         """Logits float32 [B, T, V] for ``input_ids`` [B, T] (int) continuing ``state`` (fresh if None)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        check_token_ids(input_ids, self.config.vocab_size)
         input_ids = input_ids.to(self.device)
         b, t = input_ids.shape
         if state is None:
