@@ -212,11 +212,13 @@ def compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | 
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        specs = [(op, [_operand_spec(t) for t in tensors]) for op, tensors in todo.values()]
-        # spawned (not forked) workers: this process may hold a CUDA context; each worker takes every n-th job
+        # the longest compiles first, one job a task, so that no worker is left with a long one at the end
+        order = sorted(todo.values(), key=lambda job: getattr(job[0], "compile_cost", 1), reverse=True)
+        specs = [[(op, [_operand_spec(t) for t in tensors])] for op, tensors in order]
+        # spawned (not forked) workers: this process may hold a CUDA context
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-                list(pool.map(_compile_share, [specs[w::workers] for w in range(workers)]))
+                list(pool.map(_compile_share, specs))
         except Exception as exc:  # noqa: BLE001 - a worker that failed leaves its kernels to be compiled here
             warnings.warn(f"parallel kernel compilation failed ({exc}); compiling in this process", stacklevel=2)
     for op, tensors in todo.values():

@@ -169,6 +169,24 @@ def test_decode_steps_do_not_wait_for_the_gpu(converted):
     assert torch.isfinite(logits).all()
 
 
+def test_an_out_of_range_id_on_the_gpu_is_refused_at_the_next_call(converted):
+    """Ids already on the GPU are not read back in a step (no sync): an out-of-range one is clamped, flagged on the
+    GPU, and the first call after the flag reached the host raises InputError; then the model goes on."""
+    from nvfp4_megamoe.errors import InputError
+    model = load_model(converted("flash", "nvfp4"), device="cuda")
+    state = model.new_state(2)
+    model(torch.randint(0, model.config.vocab_size, (2, 5)).cuda(), state)
+    bad = torch.tensor([1, model.config.vocab_size + 3], device="cuda")
+    logits = model.step(bad, state)  # no device-side assert: the id was clamped
+    torch.cuda.synchronize()
+    assert torch.isfinite(logits).all()
+    with pytest.raises(InputError, match="outside"):
+        model.step(torch.tensor([1, 2], device="cuda"), state)
+    assert torch.isfinite(model.step(torch.tensor([1, 2], device="cuda"), state)).all()
+    with pytest.raises(InputError, match="vocab_size"):  # ids from the CPU: refused before the call
+        model.step(torch.tensor([1, -1]), state)
+
+
 def _nvfp4_linear(n: int, k: int, seed: int) -> Nvfp4Linear:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     w = random_moe_weights(1, k, n // 2, generator=gen, device="cuda")
