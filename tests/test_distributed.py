@@ -78,6 +78,10 @@ def checkpoint(synth_checkpoints):
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
+# Ranks start from a fork server that has imported torch, the runtime and this module once: not from a fork of the
+# test process (whose threads a fork would copy mid-flight), nor each from a fresh interpreter (seconds per rank).
+mp.set_forkserver_preload(["torch", "nvfp4_megamoe.runtime", __name__])
+
 
 def test_expert_ranges_split_evenly():
     assert expert_ranges(8, 2) == [(0, 4), (4, 8)]
@@ -110,7 +114,8 @@ def test_expert_parallel_matches_single_process(checkpoint, tmp_path, variant, s
     ref = load_model(ckpt)
     n = ref.config.n_routed_experts
     ids = torch.randint(0, ref.config.vocab_size, (size + 1, TOKENS), generator=torch.Generator().manual_seed(3))
-    mp.spawn(_worker, args=(size, free_port(), str(ckpt), ids, str(tmp_path)), nprocs=size, join=True)
+    mp.start_processes(_worker, args=(size, free_port(), str(ckpt), ids, str(tmp_path)), nprocs=size, join=True,
+                       start_method="forkserver")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
 
     # Each rank read its own expert range and nothing else of the routed experts.
