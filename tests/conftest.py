@@ -62,10 +62,18 @@ def _no_hopper_gpu() -> str | None:
     return "marked gpu: needs an sm_90 CUDA GPU and CuTeDSL; nvidia-cutlass-dsl (cutlass) is not importable"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (every kernel configuration compiled: many minutes)")
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """The one GPU skip: a test marked ``gpu`` runs only on an sm_90 GPU with CuTeDSL
-    (``runtime.hopper.hopper_available``), and says why it did not run elsewhere."""
+    (``runtime.hopper.hopper_available``), and says why it did not run elsewhere. A test marked ``slow`` runs only
+    with ``--slow``."""
     if item.get_closest_marker("gpu") is not None:
         reason = _no_hopper_gpu()
         if reason is not None:
             pytest.skip(reason)
+    if item.get_closest_marker("slow") is not None and not item.config.getoption("--slow"):
+        pytest.skip("marked slow: run with --slow")

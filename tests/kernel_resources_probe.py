@@ -3,8 +3,8 @@ plans a layer can pick (weights row-major and in row tiles), decode attention in
 ``pick_cluster`` chooses and the combine kernel, the indexer's score and sort kernels, and the mHC weights; print, as
 JSON, each kernel's registers per thread and stack frame bytes (spills) read from its cubin.
 
-``--all`` compiles every configuration; without it, one GEMM per configuration that differs only in its token tile
-(the widest tile, whose accumulators take the most registers) and every other kernel. ``--jobs N`` compiles in N
+``--all`` compiles every configuration; without it, one GEMM (and one routing kernel) per configuration that differs
+only in its token tile (the widest tile, whose accumulators take the most registers) and every other kernel. ``--jobs N`` compiles in N
 processes. Run in a fresh interpreter (``tests/test_kernel_resources.py`` does): CuTeDSL reads ``CUTE_DSL_KEEP`` /
 ``CUTE_DSL_DUMP_DIR`` when it is imported, and the cubins must come from compiles, not the disk cache.
 Usage: ``python tests/kernel_resources_probe.py DUMP_DIR [--all] [--jobs N]``.
@@ -57,12 +57,22 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
 
 
 def _token_tile_free(op) -> tuple | None:
-    """A GEMM's configuration with its token tile taken out (None for other kernels)."""
+    """A GEMM's (or the routing kernel's) configuration with its token tile taken out (None for other kernels)."""
+    if type(op).__name__ == "Sm90MoeRouting":  # the tile only bounds the tiles it cuts
+        return "Sm90MoeRouting", op.experts, op.top_k
     tiling = getattr(op, "tiling", None)
     if tiling is None:
         return None
     wide = dict(tile_tokens=0, **({"min_tokens": 0} if hasattr(tiling, "min_tokens") else {}))
     return type(op).__name__, op.problem, dataclasses.replace(tiling, **wide)
+
+
+def _tile_rank(op) -> tuple[int, int]:
+    """Wider token tiles first (more accumulators), then fewer MMA widths (a shorter compile)."""
+    tiling = getattr(op, "tiling", None)
+    if tiling is None:
+        return op.bn, 0
+    return tiling.tile_tokens, -getattr(tiling, "min_tokens", 0)
 
 
 def jobs(every: bool) -> list[tuple]:
@@ -104,8 +114,7 @@ def jobs(every: bool) -> list[tuple]:
                 widest[(type(op).__name__, op.key())] = (op, tensors)
                 continue
             best = widest.get(group)
-            rank = (op.tiling.tile_tokens, -getattr(op.tiling, "min_tokens", 0))
-            if best is None or rank > (best[0].tiling.tile_tokens, -getattr(best[0].tiling, "min_tokens", 0)):
+            if best is None or _tile_rank(op) > _tile_rank(best[0]):
                 widest[group] = (op, tensors)
         chosen = list(widest.values())
     del cute_host
