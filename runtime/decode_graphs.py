@@ -46,6 +46,11 @@ class DecodeGraphs:
         """Graphs held (captured or refused), one per live key."""
         return len(self._graphs)
 
+    def graph(self, key: Hashable) -> torch.cuda.CUDAGraph | None:
+        """The graph captured for ``key`` (None: not captured, or refused); for timing it alone."""
+        cap = self._graphs.get(key)
+        return None if cap is None else cap.graph
+
     def run(self, key: Hashable, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor,
             owner: object | None = None) -> torch.Tensor:
         if key not in self._graphs:

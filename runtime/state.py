@@ -163,6 +163,16 @@ class DecodeState:
             raise ValueError(f"slots {full} hold {held} tokens; {tokens} more would pass max_context={self.max_context}: "
                              "reset finished slots (state.reset(slot)) or make the state with a larger max_context")
 
+    def assume_positions(self, positions) -> None:
+        """Declare that slot ``s`` holds ``positions[s]`` tokens without feeding them: the ring, stores and
+        pending windows keep whatever they hold. For benchmarks that fill a state with random entries instead
+        of a long prefill; a model's logits on such a state are not any sequence's."""
+        positions = [int(p) for p in positions]
+        if len(positions) != self.batch or not all(0 <= p <= self.max_context for p in positions):
+            raise ValueError(f"need {self.batch} positions in [0, {self.max_context}], got {positions}")
+        self.positions.copy_(torch.tensor(positions, dtype=torch.long))
+        self._host = positions
+
     def advance(self, slots, tokens: int) -> None:
         """The host's record of ``tokens`` more in each of ``slots`` (the device's is the caller's)."""
         for s in slots:
