@@ -139,7 +139,7 @@ class Model:
     def step(self, token_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
         """Decode one token per slot: ``token_ids`` [B] (or [B, 1]) -> logits [B, V]; every slot advances by
         one from its own position."""
-        return self._decode(token_ids.reshape(-1).to(self.device), state)
+        return self.forward(token_ids.reshape(-1, 1), state)[:, 0]
 
     @torch.no_grad()
     def prefill(self, prompts, state: DecodeState, slots, *, chunk: int | None = None,
