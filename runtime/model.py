@@ -109,7 +109,8 @@ class Model:
     # -- public forward -------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
-        """Logits float32 [B, T, V] for ``input_ids`` [B, T] (int) continuing ``state`` (fresh if None)."""
+        """Logits float32 [B, T, V] for ``input_ids`` [B, T] (int) continuing ``state`` (fresh if None): row b
+        continues slot b from its own position."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         input_ids = input_ids.to(self.device)
@@ -156,7 +157,7 @@ class Model:
         if len(prompts) != len(slots) or len(set(slots)) != len(slots):
             raise ValueError(f"need one distinct slot per prompt, got {len(prompts)} prompts and slots {slots}")
         for s in slots:
-            state._check_slot(s)
+            state.check_slot(s)
         prompts = [torch.as_tensor(p).reshape(-1).to(self.device) for p in prompts]
         for s, p in zip(slots, prompts):
             if p.numel() == 0:
@@ -164,15 +165,15 @@ class Model:
             state.room([] if fresh else [s], p.numel())
             if fresh and p.numel() > state.max_context:
                 raise ValueError(f"a prompt of {p.numel()} tokens does not fit max_context={state.max_context}")
-        step = chunk if chunk is not None else max(p.numel() for p in prompts)
-        if not (isinstance(step, int) and step >= 1):
+        size = chunk if chunk is not None else max(p.numel() for p in prompts)
+        if not (isinstance(size, int) and size >= 1):
             raise ValueError(f"chunk must be a positive int, got {chunk!r}")
         last = []
         for s, p in zip(slots, prompts):
             if fresh:
                 state.reset(s)
-            for a in range(0, p.numel(), step):
-                logits = self._chunk(p[None, a:a + step], state, [s], last_only=True)
+            for a in range(0, p.numel(), size):
+                logits = self._chunk(p[None, a:a + size], state, [s], last_only=True)
             last.append(logits[0, -1])
         return torch.stack(last)
 
@@ -183,6 +184,9 @@ class Model:
         cfg, w = self.config, self.weights
         n, t = input_ids.shape
         pos0 = state.host_positions[rows[0]]
+        if any(state.host_positions[r] != pos0 for r in rows):
+            raise ValueError(f"a chunk's slots must share one position, slots {rows} are at "
+                             f"{[state.host_positions[r] for r in rows]}")
         state.room(rows, t)
         idx = torch.tensor(rows, device=self.device)
         positions = torch.arange(pos0, pos0 + t, device=self.device)

@@ -51,6 +51,7 @@ def compressor_shapes(batch: int, ratio: int, width: int, dim: int, max_context:
 
 
 def nbytes_of(shapes: Shapes) -> int:
+    """Bytes of tensors of these shapes and dtypes."""
     n = 0
     for shape, dtype in shapes.values():
         count = 1
@@ -147,7 +148,7 @@ class DecodeState:
 
     def reset(self, slot: int) -> None:
         """Empty slot ``slot`` (position 0) so that it can take a new sequence; the other slots are untouched."""
-        self._check_slot(slot)
+        self.check_slot(slot)
         self.positions[slot].zero_()
         self._host[slot] = 0
         for st in self.layers.values():
@@ -160,8 +161,9 @@ class DecodeState:
         full = [s for s in slots if self._host[s] + tokens > self.max_context]
         if full:
             held = [self._host[s] for s in full]
-            raise ValueError(f"slots {full} hold {held} tokens; {tokens} more would pass max_context={self.max_context}: "
-                             "reset finished slots (state.reset(slot)) or make the state with a larger max_context")
+            raise ValueError(f"slots {full} hold {held} tokens; {tokens} more would pass "
+                             f"max_context={self.max_context}: reset finished slots (state.reset(slot)) or make "
+                             "the state with a larger max_context")
 
     def assume_positions(self, positions) -> None:
         """Declare that slot ``s`` holds ``positions[s]`` tokens without feeding them: the ring, stores and
@@ -178,7 +180,8 @@ class DecodeState:
         for s in slots:
             self._host[s] += tokens
 
-    def _check_slot(self, slot: int) -> None:
+    def check_slot(self, slot: int) -> None:
+        """Raise unless ``slot`` names a slot of this state."""
         if not (isinstance(slot, int) and 0 <= slot < self.batch):
             raise ValueError(f"slot must be an int in [0, {self.batch}), got {slot!r}")
 
