@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nvfp4_megamoe import __version__
+from nvfp4_megamoe.input_files import file_kind, inside, read_json_object
 from nvfp4_megamoe.runtime.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE,
                                           ROW_TILES_FORMAT_VERSION)
 
@@ -38,8 +39,8 @@ from .errors import ConvertError, OutputError, SourceError
 from .hub import HubSource, looks_like_repo_id
 from .options import DEFAULT_SHARD_SIZE, Options
 from .plan import Plan, make_plan
-from .resume import (JOURNAL_FILE, Journal, identity_differences, restore_unit, source_identity, unit_results,
-                     write_atomic)
+from .resume import (JOURNAL_FILE, Journal, checked_progress, identity_differences, restore_unit, source_identity,
+                     unit_results, write_atomic)
 from .memory import MEMORY_BUDGET, TRIM_AFTER, MemoryBudget, release_memory, working_bytes
 from .source import LocalSource
 from .source_hashes import SourceHashes
@@ -101,48 +102,73 @@ class Prepared:
 
 def _manifest_of(out: Path) -> dict | None:
     try:
-        return json.loads((out / MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
+        return read_json_object(out / MANIFEST_FILE, "", OutputError)
+    except ConvertError:
         return None
+
+
+def _check_places(out: Path, src: Source) -> None:
+    """Refuse an output folder that is, or lies inside, the source folder, or holds it (the source is never
+    modified, and a conversion must not mix with it)."""
+    if not isinstance(src, LocalSource):
+        return
+    if inside(out, src.root):
+        where = "is the source folder" if out.resolve() == src.root.resolve() else f"lies inside the source folder {src.root}"
+        raise OutputError(f"{out}: the output folder {where}; choose a folder outside the source (the source is never "
+                          "modified, and a checkpoint folder must not hold another).", path=out)
+    if inside(src.root, out):
+        raise OutputError(f"{out}: the output folder holds the source folder {src.root}; choose a folder outside it.",
+                          path=out)
+
+
+def _create(out: Path, journal: Journal) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot create the output folder ({exc.strerror or exc}); choose a folder you can "
+                          "write to.", path=out) from None
+    journal.save()
 
 
 def prepare_output(out: Path, src: Source, plan: Plan, resume: bool) -> Prepared:
     """Create ``out``, or check the unfinished run in it (``resume``); refuse anything else."""
-    if isinstance(src, LocalSource) and out.resolve() == src.root.resolve():
-        raise OutputError(f"{out}: the output folder is the source folder; choose another (the source is never modified)")
+    _check_places(out, src)
     identity = Journal.identity_for(src.record(), {f: src.stamp(f) for f in src.files}, plan)
     journal = Journal(out, identity)
     if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a folder")
-    if (out / INDEX_FILE).exists():
+        raise OutputError(f"{out}: exists and is not a folder", path=out)
+    if file_kind(out / INDEX_FILE) is not None:
         old = _manifest_of(out)
         same = (old is not None and old.get("options_sha256") == plan.options.digest()
-                and source_identity(old.get("source", {})) == source_identity(src.record())
-                and old.get("source", {}).get("files", {}).keys() == set(src.files))
+                and isinstance(old.get("source"), dict) and isinstance(old["source"].get("files"), dict)
+                and source_identity(old["source"]) == source_identity(src.record())
+                and old["source"]["files"].keys() == set(src.files))
         if resume and same:
             return Prepared(journal, {}, complete=old)
         what = "the same source and options" if same else "a different conversion (other source or options)"
         raise OutputError(f"{out}: already holds a finished conversion of {what}. Choose another folder, or remove "
-                          "it first" + (" (or pass --resume to accept it as done)." if same else "."))
+                          "it first" + (" (or pass --resume to accept it as done)." if same else "."), path=out)
     data = Journal.load(out) if out.is_dir() else None
     if data is None:
         if out.exists() and any(out.iterdir()):
-            if (out / MANIFEST_FILE).exists():
-                raise OutputError(f"{out}: already holds a conversion manifest. Choose another folder, or remove it first.")
+            if file_kind(out / MANIFEST_FILE) is not None:
+                raise OutputError(f"{out}: already holds a conversion manifest. Choose another folder, or remove it "
+                                  "first.", path=out)
             hint = " (there is no progress journal, so there is nothing to resume)" if resume else ""
             raise OutputError(f"{out}: is not empty{hint}; refusing to mix a conversion with other files. "
-                              "Choose an empty folder.")
-        out.mkdir(parents=True, exist_ok=True)
-        journal.save()
+                              "Choose an empty folder.", path=out)
+        _create(out, journal)
         return Prepared(journal, {})
     if not resume:
         raise OutputError(f"{out}: holds an unfinished conversion ({JOURNAL_FILE}). Run again with --resume to finish "
-                          "it, or choose an empty folder.")
+                          f"it; to start over, remove {out} or choose an empty folder.", path=out)
     reasons = identity_differences(data["identity"], identity)
     if reasons:
         raise OutputError(f"{out}: --resume refused: the unfinished conversion there is not this run: "
-                          + "; ".join(reasons) + ". Remove the folder (or choose another) to convert from scratch.")
-    recorded = data.get("shards", {})
+                          + "; ".join(reasons) + f". To start over, remove {out} (or choose another folder) and "
+                          "convert without --resume.", path=out)
+    progress = checked_progress(data, out / JOURNAL_FILE, plan, src.files)
+    recorded = progress["shards"]
     names = list(recorded)
     with ThreadPoolExecutor(2, thread_name_prefix="verify") as pool:
         actual = list(pool.map(lambda n: _shard_state(out / n, recorded[n]["size"]), names))
@@ -151,12 +177,13 @@ def prepare_output(out: Path, src: Source, plan: Plan, resume: bool) -> Prepared
         if sha is not None and sha == recorded[name]["sha256"]:
             done[name] = (recorded[name]["size"], sha)
         else:
-            (out / name).unlink(missing_ok=True)
+            (out / name).unlink(missing_ok=True)  # one of this run's shard names (checked_progress), inside out
     for p in out.glob(".*.partial"):
-        p.unlink()
+        if file_kind(p) == "a regular file":
+            p.unlink()
     journal.shards = {n: {"size": s, "sha256": h} for n, (s, h) in done.items()}
-    journal.units = dict(data.get("units", {}))
-    journal.source_sha256 = dict(data.get("source_sha256", {}))
+    journal.units = dict(progress["units"])
+    journal.source_sha256 = dict(progress["source_sha256"])
     journal.save()
     return Prepared(journal, done)
 
@@ -303,6 +330,43 @@ def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int
     return writer, source_files, len(prep.done)
 
 
+def _after_refusal(out: Path, journal: Journal, exc: ConvertError) -> None:
+    """Leave ``out`` so that the next run knows what to do, and say it: finished shards stay for ``--resume``;
+    with none, the journal goes too (nothing to resume), so the same command simply runs again."""
+    if journal.shards:
+        exc.add_hint(f"{out} keeps {len(journal.shards)} finished shards and the progress journal: once the cause is "
+                     "fixed, run the same command with --resume to continue (if the fix changes the source files, "
+                     f"--resume refuses them: then remove {out} to start over).")
+        return
+    journal.remove()
+    shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
+    exc.add_hint(f"Nothing was kept in {out}: run the same command again once the cause is fixed.")
+
+
+def _finish(src: Source, plan: Plan, out: Path, writer: ShardWriter, source_files: dict, journal: Journal) -> dict:
+    """Copy the non-tensor files, write the manifest, then the index (the completion marker); drop the journal."""
+    manifest = build_manifest(src, plan, writer, source_files)
+    try:
+        text = json.dumps(manifest, indent=1, allow_nan=False)
+    except ValueError as exc:
+        raise ConvertError(f"{out}: the manifest would hold a non-finite number ({exc}); a value check missed a "
+                           "corrupt source value. Nothing complete was written; report this.") from None
+    try:
+        for name in src.extra_files():
+            shutil.copyfile(src.extra_file_path(name), out / name)
+        write_atomic(out / MANIFEST_FILE, text.encode())
+        index = {"metadata": {"total_size": plan.total_bytes},
+                 "weight_map": {o.name: writer.names[writer.where[o.name][0]] for o in plan.outputs}}
+        write_atomic(out / INDEX_FILE, json.dumps(index, indent=2).encode())
+    except OSError as exc:
+        raise OutputError(f"{exc.filename or out}: cannot write ({exc.strerror or exc}). Every shard is finished and "
+                          f"kept: fix the cause and run the same command with --resume to finish {out}.",
+                          path=exc.filename or out) from None
+    journal.remove()
+    shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
+    return manifest
+
+
 def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, dense: str = "nvfp4",
                        target: str = "sm100", shard_size: int = DEFAULT_SHARD_SIZE, dry_run: bool = False,
                        progress: bool = True, on_plan: Callable[[Plan], None] | None = None,
@@ -334,18 +398,15 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
         prep = prepare_output(out, src, plan, resume)
         if prep.complete is not None:
             return ConvertResult(out, plan, prep.complete, skipped_shards=len(plan.shards))
-        with _threads_per_unit(workers):
-            writer, source_files, skipped = _execute(src, plan, out, prep, workers=workers, keep_source=keep_source,
-                                                     progress=progress, direct_io=direct_io)
-        for name in src.extra_files():
-            shutil.copyfile(src.extra_file_path(name), out / name)
-        manifest = build_manifest(src, plan, writer, source_files)
-        write_atomic(out / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
-        index = {"metadata": {"total_size": plan.total_bytes},
-                 "weight_map": {o.name: writer.names[writer.where[o.name][0]] for o in plan.outputs}}
-        write_atomic(out / INDEX_FILE, json.dumps(index, indent=2).encode())
-        prep.journal.remove()
-        shutil.rmtree(out / STAGING_DIR, ignore_errors=True)
+        try:
+            with _threads_per_unit(workers):
+                writer, source_files, skipped = _execute(src, plan, out, prep, workers=workers,
+                                                         keep_source=keep_source, progress=progress,
+                                                         direct_io=direct_io)
+        except ConvertError as exc:
+            _after_refusal(out, prep.journal, exc)
+            raise
+        manifest = _finish(src, plan, out, writer, source_files, prep.journal)
         return ConvertResult(out, plan, manifest, skipped_shards=skipped)
     finally:
         src.close()

@@ -17,7 +17,8 @@ import click
 
 from nvfp4_megamoe import __version__
 
-from .errors import ConvertError
+from nvfp4_megamoe.errors import Nvfp4MegamoeError
+
 from .hashing import hash_ahead
 from .options import DEFAULT_SHARD_SIZE, TARGETS
 
@@ -26,14 +27,21 @@ if TYPE_CHECKING:
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+MAX_SHARD_SIZE = 2**50  # 1 PiB: far above any file system's practical file size, far below int overflow
+# Errors a command turns into one "error: ..." paragraph and exit status 1 (OSError: a file system refusal
+# the command did not foresee, still reported without a traceback).
+REFUSALS = (Nvfp4MegamoeError, OSError)
 
 
 def parse_size(text: str) -> int:
-    """'5GB', '500MiB', '1e9' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+    """'5GB', '500MiB', '1e9' -> bytes (at least 1, at most :data:`MAX_SHARD_SIZE`)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).upper() not in _UNITS:
         raise click.BadParameter(f"{text!r} is not a size (examples: 5GB, 500MiB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if not 1 <= value <= MAX_SHARD_SIZE:  # also refuses 1e400 (inf) and sizes below a byte
+        raise click.BadParameter(f"{text!r} is outside 1 byte .. {MAX_SHARD_SIZE:,} bytes")
+    return int(value)
 
 
 def _human(n: float) -> str:
@@ -60,7 +68,9 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _fail(exc: Exception) -> None:
+def _fail(exc: Exception | str) -> None:
+    if isinstance(exc, OSError) and not isinstance(exc, Nvfp4MegamoeError):
+        exc = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else exc
     click.echo(f"error: {exc}", err=True)
     sys.exit(1)
 
@@ -108,7 +118,7 @@ def convert(source: str, out: Path, dense: str, target: str, shard_size: int, dr
                                     progress=progress, on_plan=lambda p: click.echo(format_plan(p)),
                                     revision=revision, resume=resume, keep_source=keep_source, workers=workers,
                                     direct_io=direct_io)
-    except ConvertError as exc:
+    except REFUSALS as exc:
         _fail(exc)
     if dry_run:
         click.echo("dry run: nothing written")
@@ -137,7 +147,7 @@ def synth(out: Path, preset: str, variant: str, seed: int) -> None:
 
     try:
         path = write_synthetic(out, preset=preset, variant=variant, seed=seed)
-    except (ValueError, FileExistsError) as exc:
+    except (ValueError, OSError) as exc:
         _fail(exc)
     click.echo(f"wrote synthetic {variant} checkpoint ({preset}) to {path}")
 
@@ -148,6 +158,23 @@ def synth(out: Path, preset: str, variant: str, seed: int) -> None:
 @click.option("--variant", type=click.Choice(["flash", "pro", "base", "modelopt", "ct"]), default="flash", show_default=True)
 def demo(workdir: Path | None, variant: str) -> None:
     """Make a tiny synthetic checkpoint, convert it, verify it, run it, and show what happened."""
+    workdir = workdir or Path(tempfile.mkdtemp(prefix="nvfp4-demo-"))
+    src, out = workdir / "source", workdir / "converted"
+    taken = [p for p in (src, out) if p.exists()]
+    if taken:
+        _fail(f"{workdir}: already holds {' and '.join(p.name + '/' for p in taken)} (an earlier demo?); the demo "
+              "writes a new checkpoint there. Remove them, or pass another --workdir.")
+    try:
+        report = _demo(src, out, variant)
+    except REFUSALS as exc:
+        _fail(exc)
+    click.echo(f"demo files are in {workdir}")
+    if not report.ok:
+        sys.exit(1)
+
+
+def _demo(src: Path, out: Path, variant: str):
+    """The demo's steps (a refusal on the way is reported by :func:`demo`); returns the verify report."""
     import torch
 
     from nvfp4_megamoe.runtime import load_model
@@ -157,15 +184,10 @@ def demo(workdir: Path | None, variant: str) -> None:
     from .synth import write_synthetic
     from .verify import format_report, verify_checkpoint
 
-    workdir = workdir or Path(tempfile.mkdtemp(prefix="nvfp4-demo-"))
-    src, out = workdir / "source", workdir / "converted"
     write_synthetic(src, preset="tiny", variant=variant)
     click.echo(format_summary(inspect_checkpoint(src)))
     click.echo("")
-    try:
-        result = convert_checkpoint(src, out, on_plan=lambda p: click.echo(format_plan(p)), progress=False)
-    except ConvertError as exc:
-        _fail(exc)
+    result = convert_checkpoint(src, out, on_plan=lambda p: click.echo(format_plan(p)), progress=False)
     click.echo("")
     click.echo(format_summary(inspect_checkpoint(out)))
     weights = {n: e for n, e in result.manifest["tensors"].items() if n.endswith(".weight") and e["transform"] != ["copy"]}
@@ -180,9 +202,7 @@ def demo(workdir: Path | None, variant: str) -> None:
     logits = model(ids)
     click.echo(f"\nran the converted model ({type(model.backend).__name__}) on {ids.shape[1]} tokens: logits "
                f"{list(logits.shape)}, finite: {bool(torch.isfinite(logits).all())}, next token {int(logits[0, -1].argmax())}")
-    click.echo(f"demo files are in {workdir}")
-    if not report.ok:
-        sys.exit(1)
+    return report
 
 
 @main.command("inspect")
@@ -194,7 +214,7 @@ def inspect_cmd(path: Path, as_json: bool) -> None:
 
     try:
         s = inspect_checkpoint(path)
-    except ConvertError as exc:
+    except REFUSALS as exc:
         _fail(exc)
     click.echo(json.dumps(s, indent=1) if as_json else format_summary(s))
 
@@ -202,19 +222,34 @@ def inspect_cmd(path: Path, as_json: bool) -> None:
 @main.command("verify")
 @click.argument("out", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--source", type=click.Path(path_type=Path), default=None,
-              help="Source checkpoint folder for the round trip (default: the path the manifest recorded, if present).")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
-              help="Write the full per-tensor report to this file.")
+              help="Source checkpoint folder for the round trip (default: the local path the manifest recorded).")
+@click.option("--structure-only", is_flag=True,
+              help="Check structure, hashes and values only, without the round trip against the source (otherwise "
+                   "verify fails when it cannot reach the source).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Write the full per-tensor report to this file (its folder must exist).")
 @click.option("--fast", is_flag=True, help="Skip the shard sha256 hashes (the round trip still compares every tensor).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
-def verify_cmd(out: Path, source: Path | None, json_path: Path | None, fast: bool, progress: bool) -> None:
+def verify_cmd(out: Path, source: Path | None, structure_only: bool, json_path: Path | None, fast: bool,
+               progress: bool) -> None:
     """Check the converted checkpoint in OUT against its manifest and its source; exit 0 only if all holds."""
+    if source is not None and structure_only:
+        raise click.UsageError("--source asks for the round trip and --structure-only skips it; give one of them")
+    if json_path is not None and not json_path.parent.is_dir():
+        raise click.BadParameter(f"the folder {json_path.parent} does not exist; create it first (verify writes "
+                                 "only the report file)", param_hint="--json")
     from .verify import format_report, verify_checkpoint
 
-    report = verify_checkpoint(out, source=source, fast=fast, progress=progress)
+    try:
+        report = verify_checkpoint(out, source=source, fast=fast, progress=progress, structure_only=structure_only)
+    except REFUSALS as exc:
+        _fail(exc)
     click.echo(format_report(report))
     if json_path is not None:
-        report.write_json(json_path)
+        try:
+            report.write_json(json_path)
+        except OSError as exc:
+            _fail(exc)
         click.echo(f"full report: {json_path}")
     sys.exit(0 if report.ok else 1)
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
-from nvfp4_megamoe.runtime.format import MANIFEST_FILE
+from nvfp4_megamoe.errors import FormatError
+from nvfp4_megamoe.input_files import file_kind
+from nvfp4_megamoe.runtime.config import config_int
+from nvfp4_megamoe.runtime.format import MANIFEST_FILE, read_manifest
 
-from .errors import PlanError
+from .errors import PlanError, SourceError, shown
 from .plan import classify
 from .source import LocalSource
 
@@ -33,7 +35,7 @@ def _dtype_table(src: LocalSource) -> dict[str, dict[str, int]]:
 
 
 def _converted_family(name: str, manifest: dict) -> str:
-    entry = manifest["tensors"].get(name, {})
+    entry = manifest.get("tensors", {}).get(name, {})
     if ".experts." in name:
         return "routed experts (NVFP4, stacked)"
     if entry.get("transform") == ["copy"]:
@@ -47,13 +49,16 @@ def inspect_checkpoint(path: str | Path) -> dict:
     try:
         summary: dict = {"path": str(path), "files": len(src.files), "tensors": len(src.tensors),
                          "bytes": sum(t.info.nbytes for t in src.tensors.values()), "dtypes": _dtype_table(src)}
-        manifest_file = Path(path) / MANIFEST_FILE
-        if manifest_file.is_file():
-            manifest = json.loads(manifest_file.read_text())
+        if file_kind(Path(path) / MANIFEST_FILE) is not None:
+            try:
+                manifest = read_manifest(path)
+            except FormatError as exc:
+                raise SourceError(str(exc), path=exc.path) from None
             families = Counter(_converted_family(n, manifest) for n in src.tensors)
-            lossy = [n for n, e in manifest["tensors"].items() if not e.get("lossless", True)]
+            lossy = [n for n, e in manifest.get("tensors", {}).items() if not e.get("lossless", True)]
+            record = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
             summary.update(kind=f"converted (format {manifest.get('format')} v{manifest.get('format_version')})",
-                           source=manifest.get("source", {}).get("path") or manifest.get("source", {}).get("repo_id"),
+                           source=record.get("path") or record.get("repo_id"),
                            options=manifest.get("options"), families=dict(families), lossy_tensors=len(lossy))
             return summary
         try:
@@ -62,10 +67,13 @@ def inspect_checkpoint(path: str | Path) -> dict:
             summary.update(kind="source (not fully mappable)", unmapped=[o[0] for o in exc.offenders])
             return summary
         fmts = frozenset(next(iter(g["fmt"])) for k, g in groups.items() if k[0] == "routed")
+        try:
+            layers = config_int(src.config, "num_hidden_layers", 0, minimum=0)
+            experts = config_int(src.config, "n_routed_experts", 0, minimum=0)
+        except FormatError as exc:
+            raise SourceError(f"{Path(path) / 'config.json'}: {str(exc).removeprefix('config.json: ')}") from None
         summary.update(kind="source", variant=VARIANTS.get(fmts, f"unknown mix {sorted(fmts)}"),
-                       families=dict(sorted(counts.items())),
-                       layers=int(src.config.get("num_hidden_layers", 0)),
-                       experts=int(src.config.get("n_routed_experts", 0)))
+                       families=dict(sorted(counts.items())), layers=layers, experts=experts)
         return summary
     finally:
         src.close()
@@ -87,5 +95,5 @@ def format_summary(s: dict) -> str:
     if "lossy_tensors" in s:
         lines.append(f"  lossy (measured-error) tensors: {s['lossy_tensors']}")
     if "unmapped" in s:
-        lines.append(f"  tensors no rule maps ({len(s['unmapped'])}): " + ", ".join(s["unmapped"][:20]))
+        lines.append(f"  tensors no rule maps ({len(s['unmapped'])}): " + ", ".join(shown(n) for n in s["unmapped"][:20]))
     return "\n".join(lines)

@@ -17,8 +17,9 @@ from .errors import PlanError
 from nvfp4_megamoe.kernels.row_tiles import ROWS, TILE_BYTES, tileable
 
 from .options import DENSE_MODES, TARGETS, Options
-from .rules import FUSED, FUSED_PARTS, matching_rules
-from .source import SourceTensor
+from .required import SourceModel, check_source, layer_problem, source_model
+from .rules import FUSED, FUSED_PARTS, index_problem, matching_rules
+from .source import E4M3_MAX, SourceTensor
 from .units import ROLES, FusedMatrices, OutputSpec, Passthrough, Unit
 
 class PlanSource(Protocol):
@@ -58,8 +59,8 @@ def classify(source: PlanSource, offenders: list[tuple[str, str, str]] | None = 
     for name, t in source.tensors.items():
         found = matching_rules(name, t.info.dtype, dtype_of)
         if len(found) != 1:
-            reason = (f"matches no rule (dtype {t.info.dtype}, shape {list(t.info.shape)}): unknown tensor, or a "
-                      "weight without its scale" if not found else
+            reason = (f"matches no rule (dtype {t.info.dtype}, shape {list(t.info.shape)}): "
+                      + (index_problem(name) or "unknown tensor, or a weight without its scale") if not found else
                       "matches several rules: " + ", ".join(r.name for r, _ in found))
             offenders.append((name, t.file, reason))
             continue
@@ -97,7 +98,7 @@ def _expected_shapes(fmt: str, rows: int, cols: int) -> dict[str, tuple[tuple[in
     }[fmt]
 
 
-def _matrix_unit(source: PlanSource, key: tuple, group: dict, config: dict, offenders: list,
+def _matrix_unit(source: PlanSource, key: tuple, group: dict, model: SourceModel, offenders: list,
                  row_tiles: bool = False) -> FusedMatrices | None:
     kind, prefix, fused = key
     fmts = group["fmt"]
@@ -109,8 +110,8 @@ def _matrix_unit(source: PlanSource, key: tuple, group: dict, config: dict, offe
         return None
     fmt = fmts.pop()
     if kind == "routed":
-        n_experts = int(config.get("n_routed_experts", 0))
-        hidden, inter = int(config["hidden_size"]), int(config["moe_intermediate_size"])
+        n_experts = model.config.n_routed_experts
+        hidden, inter = model.config.hidden_size, model.config.moe_intermediate_size
         rows, cols = (inter, hidden) if fused == "w13" else (hidden, inter)
         items = range(n_experts)
         parts = FUSED_PARTS[fused]
@@ -160,35 +161,35 @@ def _matrix_unit(source: PlanSource, key: tuple, group: dict, config: dict, offe
     return FusedMatrices(out_prefix, fmt, table, rows, cols, stacked=kind == "routed", row_tiles=row_tiles)
 
 
-def _required_layers(config: dict) -> list[str]:
-    layers = [f"layers.{i}" for i in range(int(config.get("num_hidden_layers", 0)))]
-    return layers + [f"mtp.{i}" for i in range(int(config.get("num_nextn_predict_layers", 0)))]
-
-
 def build_units(source: PlanSource, options: Options) -> tuple[list[Unit], Counter]:
     """Rule-match, group and validate; returns units in source-file order."""
     if options.dense not in DENSE_MODES:
         raise ValueError(f"dense must be one of {DENSE_MODES}, got {options.dense!r}")
     if options.target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {options.target!r}")
+    model = source_model(source.config, f"{source.description}/config.json")
     offenders: list[tuple[str, str, str]] = []
     groups, counts = classify(source, offenders)
+    check_source(source.tensors, groups, model, options.dense == "keep", offenders)
     units: list[Unit] = []
     for key, group in groups.items():
         if key[0] == "passthrough" or (key[0] == "dense" and options.dense == "keep"):
-            for name in group["members"].values():
+            for member, name in group["members"].items():
                 info = source.tensors[name].info
-                units.append(Passthrough(name, info.dtype, info.shape))
-        else:
-            unit = _matrix_unit(source, key, group, source.config, offenders,
+                spec = model.expected.tensors.get(name)
+                units.append(Passthrough(name, info.dtype, info.shape,
+                                         element_max=E4M3_MAX if key[0] == "dense" and member[2] == "scale" else None,
+                                         index_limit=spec.index_limit if spec is not None else None))
+        elif layer_problem(f"{key[1]}.", model) is None:  # a layer the config lacks was reported by check_source
+            unit = _matrix_unit(source, key, group, model, offenders,
                                 row_tiles=options.target == "sm90" and key[0] == "routed")
             if unit is not None:
                 units.append(unit)
     present = {(k[1], k[2]) for k in groups if k[0] == "routed"}
-    for layer in _required_layers(source.config):
+    for layer in model.expected.experts:
         for fused in ("w13", "w2"):
-            if (f"{layer}.ffn.experts", fused) not in present:
-                offenders.append((f"{layer}.ffn.experts.*.{'/'.join(FUSED_PARTS[fused])}", "-",
+            if (layer, fused) not in present:
+                offenders.append((f"{layer}.*.{'/'.join(FUSED_PARTS[fused])}", "-",
                                   "config.json declares this layer but the checkpoint has none of its routed experts"))
     if offenders:
         raise PlanError("source tensors that cannot be mapped, are missing or contradict config.json", offenders)

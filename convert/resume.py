@@ -10,6 +10,11 @@ run writes the same manifest as an uninterrupted one.
 ``--resume`` refuses a folder whose journal describes another run (different source commit or
 file hashes, different options, another layout), re-hashes every finished shard and redoes any
 that does not match. The journal is removed once the index (the completion marker) is written.
+
+The journal is input like any other: before ``--resume`` acts on it (hashing, deleting or keeping a
+shard), :func:`checked_progress` checks every entry: shard names must be this run's own shard file
+names (nothing outside the folder can be named), sizes and digests of the right types, units and
+their outputs the plan's. A journal that fails is refused as a whole and nothing is deleted.
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 from pathlib import Path
 
 from nvfp4_megamoe import __version__
+from nvfp4_megamoe.input_files import file_kind, read_json_object
+from nvfp4_megamoe.runtime.format import shard_name
 
-from .errors import OutputError
+from .errors import ConvertError, OutputError, shown
 from .plan import Plan
 from .writer import fsync_dir
 
@@ -63,6 +71,62 @@ def unit_results(unit) -> dict:
     return {o.name: {"lossless": o.lossless, "error": o.error, "notes": o.notes} for o in unit.outputs}
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _unit_record_problem(unit, results: object) -> str | None:
+    """Why a journal's record of ``unit`` cannot be restored (not its outputs, or wrong types), or None."""
+    if not isinstance(results, dict) or set(results) != {o.name for o in unit.outputs}:
+        return "does not list this unit's outputs"
+    for name, r in results.items():
+        if (not isinstance(r, dict) or not isinstance(r.get("lossless"), bool) or not isinstance(r.get("notes"), dict)
+                or not (r.get("error") is None or isinstance(r.get("error"), dict))):
+            return f"has a malformed record of {shown(name)}"
+    return None
+
+
+def checked_progress(data: dict, path: Path, plan: Plan, source_files: list[str]) -> dict:
+    """The journal's progress (``shards``, ``units``, ``source_sha256``) after checking every entry against this
+    run; :class:`OutputError` naming the first bad one (nothing is deleted or trusted before this returns)."""
+    names = {shard_name(i + 1, len(plan.shards)) for i in range(len(plan.shards))}
+    units = {u.key: u for u in plan.units}
+    progress = {k: data.get(k, {}) for k in ("shards", "units", "source_sha256")}
+
+    def refuse(what: str) -> OutputError:
+        return OutputError(f"{path}: the progress journal {what}; it was edited or is corrupt, so --resume cannot "
+                           f"trust it. Nothing was deleted. To start over, remove {path.parent} (or choose another "
+                           "folder) and convert again.", path=path)
+
+    for key, value in progress.items():
+        if not isinstance(value, dict):
+            raise refuse(f"holds {type(value).__name__} under {key!r}, expected an object")
+    for name, rec in progress["shards"].items():
+        if name not in names:
+            raise refuse(f"names the shard {shown(name)!r}, which is not one of this run's {len(names)} shard files")
+        if not isinstance(rec, dict) or not _count(rec.get("size")) or not isinstance(rec.get("sha256"), str) \
+                or not _SHA256.fullmatch(rec["sha256"]):
+            raise refuse(f"has a malformed record of {name}: {rec!r}")
+    for key, results in progress["units"].items():
+        if key not in units:
+            raise refuse(f"records a unit {shown(key)!r} that this run's plan does not have")
+        why = _unit_record_problem(units[key], results)
+        if why is not None:
+            raise refuse(f"record of unit {key} {why}")
+    for file, sha in progress["source_sha256"].items():
+        if file not in source_files or not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+            raise refuse(f"has a malformed source hash entry {shown(file)!r}: {sha!r}")
+    for name in progress["shards"]:
+        kind = file_kind(path.parent / name)
+        if kind not in (None, "a regular file"):
+            raise OutputError(f"{path.parent / name}: is {kind}, not a regular file; --resume will not read or remove "
+                              "it. Remove it yourself and run again with --resume.", path=path.parent / name)
+    return progress
+
+
 def restore_unit(unit, results: dict) -> None:
     for o in unit.outputs:
         r = results[o.name]
@@ -91,7 +155,12 @@ class Journal:
         with self.lock:
             data = {"identity": self.identity, "source_sha256": dict(sorted(self.source_sha256.items())),
                     "shards": dict(sorted(self.shards.items())), "units": self.units}
-            write_atomic(self.path, json.dumps(data, indent=1).encode())  # key order kept: the manifest repeats it
+            text = json.dumps(data, indent=1, allow_nan=False)  # key order kept: the manifest repeats it
+            try:
+                write_atomic(self.path, text.encode())
+            except OSError as exc:
+                raise OutputError(f"{self.path}: cannot write the progress journal ({exc.strerror or exc})",
+                                  path=self.path) from None
 
     def add_unit(self, key: str, results: dict) -> None:
         with self.lock:
@@ -111,17 +180,19 @@ class Journal:
 
     @classmethod
     def load(cls, out: Path) -> dict | None:
+        """The journal in ``out`` (None when there is none); its entries are checked by :func:`checked_progress`."""
         path = out / JOURNAL_FILE
-        if not path.exists():
+        if file_kind(path) is None:
             return None
+        hint = "the folder cannot be resumed. Remove the folder (or choose another) and convert again."
         try:
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict) or not isinstance(data.get("identity"), dict):
-                raise ValueError("not a journal object")
-            return data
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise OutputError(f"{path}: the progress journal is unreadable ({exc}); the folder cannot be resumed. "
-                              "Remove the folder (or choose another) and convert again.") from None
+            data = read_json_object(path, hint, OutputError)
+        except ConvertError as exc:
+            exc.args = (str(exc).replace(f"{path}: ", f"{path}: the progress journal is unreadable: ", 1),)
+            raise
+        if not isinstance(data.get("identity"), dict):
+            raise OutputError(f"{path}: the progress journal has no 'identity' object; {hint}", path=path)
+        return data
 
 
 def identity_differences(old: dict, new: dict) -> list[str]:
@@ -136,9 +207,10 @@ def identity_differences(old: dict, new: dict) -> list[str]:
         reasons.append(f"options {old.get('options')} vs {new['options']} (options_sha256 differs)")
     if old.get("layout_sha256") != new["layout_sha256"]:
         reasons.append("the output layout (tensor names, shapes or shard split) differs")
-    old_files, new_files = old.get("source_files", {}), new["source_files"]
+    old_files, new_files = old.get("source_files"), new["source_files"]
+    old_files = old_files if isinstance(old_files, dict) else {}
     changed = sorted(f for f in set(old_files) | set(new_files) if old_files.get(f) != new_files.get(f))
     if changed:
-        shown = ", ".join(f"{f} ({old_files.get(f)} vs {new_files.get(f)})" for f in changed[:5])
-        reasons.append(f"source files changed: {shown}" + (f" and {len(changed) - 5} more" if len(changed) > 5 else ""))
+        listed = ", ".join(f"{shown(f)} ({old_files.get(f)} vs {new_files.get(f)})" for f in changed[:5])
+        reasons.append(f"source files changed: {listed}" + (f" and {len(changed) - 5} more" if len(changed) > 5 else ""))
     return reasons

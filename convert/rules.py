@@ -19,7 +19,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-LAYER = r"(?:layers|mtp)\.\d+"
+# An index (layer, MTP layer, expert) is canonical decimal: ASCII digits, no leading zero. ``experts.03`` or
+# ``layers.01`` would otherwise name the same expert or layer as ``experts.3`` or ``layers.1`` (``int`` reads
+# both), and one of the two would silently replace the other.
+INDEX = r"(?:0|[1-9][0-9]*)"
+LAYER = rf"(?:layers|mtp)\.{INDEX}"
 PROJ = r"(?P<w>w[123])"
 FUSED = {"w1": "w13", "w3": "w13", "w2": "w2"}
 FUSED_PARTS = {"w13": ("w1", "w3"), "w2": ("w2",)}
@@ -46,8 +50,8 @@ def _rule(name, pattern, dtypes, family, fmt, role, **requires) -> Rule:
     return Rule(name, re.compile(pattern), dtypes, family, fmt, role, tuple(requires.items()))
 
 
-_ROUTED = rf"^(?P<unit>{LAYER}\.ffn\.experts)\.(?P<e>\d+)\.{PROJ}\.(?P<role>{{}})$"
-_DENSE = rf"^(?P<unit>(?:{LAYER}\.attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|mtp\.\d+\.(?:e_proj|h_proj)))\.(?P<role>{{}})$"
+_ROUTED = rf"^(?P<unit>{LAYER}\.ffn\.experts)\.(?P<e>{INDEX})\.{PROJ}\.(?P<role>{{}})$"
+_DENSE = rf"^(?P<unit>(?:{LAYER}\.attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|mtp\.{INDEX}\.(?:e_proj|h_proj)))\.(?P<role>{{}})$"
 _SHARED = rf"^(?P<unit>{LAYER}\.ffn\.shared_experts)\.{PROJ}\.(?P<role>{{}})$"
 
 RULES: tuple[Rule, ...] = (
@@ -91,7 +95,7 @@ RULES: tuple[Rule, ...] = (
           rf"^{LAYER}\.attn\.(?:indexer\.)?compressor\.(?:ape|wkv\.weight|wgate\.weight|norm\.weight)$",
           None, "passthrough", "raw", "tensor"),
     _rule("passthrough.indexer", rf"^{LAYER}\.attn\.indexer\.weights_proj\.weight$", None, "passthrough", "raw", "tensor"),
-    _rule("passthrough.mtp", r"^mtp\.\d+\.(?:enorm|hnorm|norm)\.weight$", None, "passthrough", "raw", "tensor"),
+    _rule("passthrough.mtp", rf"^mtp\.{INDEX}\.(?:enorm|hnorm|norm)\.weight$", None, "passthrough", "raw", "tensor"),
 )
 
 
@@ -102,12 +106,27 @@ def sibling_name(match: re.Match, role: str) -> str:
 
 
 def matching_rules(name: str, dtype: str, dtype_of: dict[str, str]) -> list[tuple[Rule, re.Match]]:
-    """Every rule that ``name`` (of ``dtype``) satisfies, with its siblings' dtypes from ``dtype_of``."""
+    """Every rule that ``name`` (of ``dtype``) satisfies, with its siblings' dtypes from ``dtype_of``.
+
+    The whole name must match (``fullmatch``: a ``$`` alone would also accept a trailing newline)."""
     found = []
     for rule in RULES:
-        m = rule.pattern.match(name)
+        m = rule.pattern.fullmatch(name)
         if m is None or (rule.dtypes is not None and dtype not in rule.dtypes):
             continue
         if all(dtype_of.get(sibling_name(m, role)) in dts for role, dts in rule.requires):
             found.append((rule, m))
     return found
+
+
+_ANY_INDEX = re.compile(r"(?:^|\.)(?:layers|mtp|experts)\.(\w+)(?=\.|$)")
+
+
+def index_problem(name: str) -> str | None:
+    """Why a name that no rule maps may have been meant as a layer or expert (a non-canonical index), or None."""
+    for m in _ANY_INDEX.finditer(name):
+        text = m.group(1)
+        if not re.fullmatch(INDEX, text) and text.isdigit():
+            return (f"index {text!r} is not canonical decimal (write {int(text)}, without leading zeros or non-ASCII "
+                    "digits); the converter does not guess which tensor it was meant to be")
+    return None

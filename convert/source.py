@@ -13,14 +13,18 @@ The surface the converter uses (both sources):
   ``stamp(f)`` (what ``--resume`` compares to see that a local file did not change);
 * ``fetch(f)`` (make a shard readable: a no-op locally, a pinned download from the Hub) and
   ``release(f)`` (a shard is no longer needed: the Hub source may delete its download);
-* ``read(name)`` / ``fd_and_range(name)``: tensor data, thread-safe. ``read`` refuses values a
-  checkpoint cannot hold (NaN/Inf floats, NaN E4M3 bytes, the E8M0 NaN byte 0xFF), naming the
-  tensor and its file.
+* ``read(name)`` / ``scan(name)`` / ``fd_and_range(name)``: tensor data, thread-safe. ``read`` and
+  ``scan`` (which streams a tensor in chunks and keeps nothing) refuse values a checkpoint cannot hold
+  (NaN/Inf floats, NaN E4M3 bytes, the E8M0 NaN byte 0xFF, block scales whose products overflow
+  float32), naming the tensor and its file.
+
+Every file is opened as a regular file only (``nvfp4_megamoe.input_files``): a FIFO or device in a
+checkpoint folder is reported as such, never read (a read could block forever).
 """
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import threading
 from dataclasses import dataclass
@@ -28,7 +32,9 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from .errors import SourceError
+from nvfp4_megamoe.input_files import file_kind, not_regular, open_regular, read_json_object
+
+from .errors import SourceError, shown
 from .safetensors_header import DTYPES, Header, TensorInfo, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -47,7 +53,8 @@ class SourceTensor:
 def check_relative_file(name: str, where: str) -> str:
     """Reject file names that would escape the checkpoint folder (absolute, ``..``, backslashes)."""
     p = PurePosixPath(name)
-    if not name or p.is_absolute() or ".." in p.parts or "\\" in name or name.startswith("~"):
+    if (not name or p.is_absolute() or ".." in p.parts or "\\" in name or name.startswith("~")
+            or not name.isprintable()):
         raise SourceError(f"{where} names the file {name!r}, which is outside the checkpoint folder; "
                           "refusing to read it. Fix the index so every file is a plain name inside the folder.")
     return name
@@ -58,7 +65,11 @@ def weight_map_from_index(index: dict, where: str) -> dict[str, str]:
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not wm:
         raise SourceError(f"{where}: no 'weight_map' object; this is not a safetensors index")
-    return {str(t): check_relative_file(str(f), f"{where} (tensor {t!r})") for t, f in wm.items()}
+    bad = next(((t, f) for t, f in wm.items() if not isinstance(f, str)), None)
+    if bad is not None:
+        raise SourceError(f"{where}: weight_map maps tensor {bad[0]!r} to {bad[1]!r}, which is not a file name; "
+                          "the index is corrupt")
+    return {t: check_relative_file(f, f"{where} (tensor {t!r})") for t, f in wm.items()}
 
 
 def locate_tensors(weight_map: dict[str, str], headers: dict[str, Header], where: str) -> dict[str, SourceTensor]:
@@ -68,32 +79,33 @@ def locate_tensors(weight_map: dict[str, str], headers: dict[str, Header], where
     for name, file in weight_map.items():
         info = headers[file].tensors.get(name)
         if info is None:
-            problems.append(f"{where} maps {name!r} to {file}, but that file has no such tensor")
+            problems.append(f"{where} maps {name!r} to {shown(file)}, but that file has no such tensor")
         else:
             tensors[name] = SourceTensor(name, file, info)
     for file, header in headers.items():
         for name in header.tensors:
             if weight_map.get(name) != file:
-                problems.append(f"{file} holds {name!r}, which the index "
-                                + ("does not list" if name not in weight_map else f"maps to {weight_map[name]}"))
+                problems.append(f"{shown(file)} holds {name!r}, which the index "
+                                + ("does not list" if name not in weight_map else f"maps to {shown(weight_map[name])}"))
     if problems:
         raise SourceError(f"{where} and the shards disagree:\n  " + "\n  ".join(problems[:50]))
     return tensors
 
 
 def read_json(path: Path, what: str) -> dict:
-    try:
-        obj = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SourceError(f"{path}: not valid JSON ({exc}); {what}") from None
-    if not isinstance(obj, dict):
-        raise SourceError(f"{path}: expected a JSON object; {what}")
-    return obj
+    """A source JSON file that must hold an object (strict: no duplicate keys, regular files only)."""
+    return read_json_object(path, what, SourceError)
 
 
 # 8-bit float formats whose bytes of magnitude (byte & 0x7F) from this value up are NaN or Inf
 # (E4M3fn: S.1111.111; E5M2: S.11111.xx). In E8M0 only the byte 0xFF is (NaN).
 _NAN_MAGNITUDE = {"F8_E4M3": 0x7F, "F8_E5M2": 0x7C}
+FLOAT32_MAX = torch.finfo(torch.float32).max
+# The largest magnitude an element of each block-scaled weight format holds (the scales multiply it).
+E2M1_MAX, E4M3_MAX = 6.0, 448.0
+SCAN_CHUNK = 16 << 20  # bytes of a streamed tensor checked at a time
+HUGE = 2.0**64  # a float value beyond this has a square that overflows float32
+_FLOATS = ("F64", "F32", "F16", "BF16")
 
 
 def _bad_values(t: torch.Tensor, dtype: str) -> torch.Tensor | None:
@@ -111,23 +123,97 @@ def _bad_values(t: torch.Tensor, dtype: str) -> torch.Tensor | None:
         if not b.numel() or (int(b.view(torch.int8).max()) < m and int(b.max()) < m | 0x80):
             return None
         return (b & 0x7F) >= m
-    if dtype in ("F64", "F32", "F16", "BF16"):
+    if dtype in _FLOATS:
         return ~torch.isfinite(t)
     return None
 
 
-def check_values(name: str, file: str, dtype: str, t: torch.Tensor) -> None:
-    """Refuse NaN/Inf floats and NaN 8-bit float codes (found while converting), naming the tensor."""
-    bad = _bad_values(t, dtype)
-    if bad is None or not bool(bad.any()):
-        return
-    flat = bad.reshape(-1)
-    first = int(flat.nonzero()[0])
-    what = {"F8_E8M0": "E8M0 scale bytes 0xFF (NaN)", "F8_E4M3": "E4M3 NaN bytes (0x7F/0xFF)",
-            "F8_E5M2": "E5M2 Inf/NaN bytes"}.get(dtype, "NaN/Inf values")
-    raise SourceError(f"{file}: tensor {name!r} ({dtype} {list(t.shape)}) holds {int(flat.sum())} {what}, the first "
-                      f"at flat index {first}; expected finite values. The shard is corrupt (download or copy it "
-                      "again); the conversion stopped and left no complete output.")
+def largest_scale_byte(element_max: float) -> int:
+    """The largest E8M0 byte ``b`` with ``element_max * 2**(b - 127)`` finite in float32."""
+    return math.floor(math.log2(FLOAT32_MAX / element_max)) + 127
+
+
+def _overflowing_scales(t: torch.Tensor, dtype: str, element_max: float) -> tuple[torch.Tensor, str] | None:
+    """Mask of E8M0 block scales whose product with an element of magnitude ``element_max`` overflows float32
+    (with what was found), or None when there is none. Float scales need no rule of their own: one whose product
+    could overflow (above 3.4e38 / 448) is far beyond :data:`HUGE`, refused for every float."""
+    if dtype not in ("F8_E8M0", "U8"):
+        return None
+    b, top = t.view(torch.uint8), largest_scale_byte(element_max)
+    if not b.numel() or int(b.max()) <= top:
+        return None
+    return b > top, f"E8M0 scale bytes above 0x{top:02X} (2**{top - 127})"
+
+
+def _refuse(name: str, file: str, dtype: str, shape: tuple[int, ...] | list[int], count: int, first: int,
+            what: str, expected: str) -> SourceError:
+    return SourceError(f"{shown(file)}: tensor {shown(name)} ({dtype} {list(shape)}) holds {count} {what}, the first "
+                       f"at flat index {first}; expected {expected}. The shard is corrupt (download or copy it again); "
+                       "the conversion stopped and left no complete output.", path=file, tensor=name)
+
+
+class ValueScreen:
+    """What a tensor's values must satisfy, checked on the whole tensor or chunk by chunk.
+
+    Always: no NaN/Inf float, no float beyond +-2**64 (its square overflows float32, in which the runtime
+    computes), no NaN 8-bit float code, no E8M0 0xFF. ``element_max``: the tensor holds
+    block scales of elements up to that magnitude, and their products must be finite in float32 (an
+    E8M0 byte 0xFE times any E2M1 or E4M3 element overflows). ``index_limit``: the tensor holds indices,
+    which must lie in ``[0, index_limit)`` (a hash layer's ``tid2eid`` names experts).
+    """
+
+    def __init__(self, name: str, file: str, dtype: str, shape: tuple[int, ...], *,
+                 element_max: float | None = None, index_limit: int | None = None):
+        self.name, self.file, self.dtype, self.shape = name, file, dtype, shape
+        self.element_max, self.index_limit = element_max, index_limit
+        self.found: dict[str, list] = {}  # what -> [count, first flat index, what was expected]
+
+    def _note(self, mask: torch.Tensor, base: int, what: str, expected: str) -> None:
+        flat = mask.reshape(-1)
+        count = int(flat.sum())
+        if count:
+            entry = self.found.setdefault(what, [0, base + int(flat.nonzero()[0]), expected])
+            entry[0] += count
+
+    def update(self, t: torch.Tensor, base: int = 0) -> None:
+        """Check ``t``, the elements from flat index ``base`` on."""
+        bad = _bad_values(t, self.dtype)
+        if bad is not None:
+            what = {"F8_E8M0": "E8M0 scale bytes 0xFF (NaN)", "F8_E4M3": "E4M3 NaN bytes (0x7F/0xFF)",
+                    "F8_E5M2": "E5M2 Inf/NaN bytes"}.get(self.dtype, "NaN/Inf values")
+            self._note(bad, base, what, "finite values")
+        if self.dtype in _FLOATS and t.numel() and float(t.abs().amax()) > HUGE:  # a NaN is reported above
+            self._note(t.abs() > HUGE, base, "values beyond +-2**64",
+                       "magnitudes whose squares are finite in float32 (the runtime squares and sums values in norms "
+                       "and dot products)")
+        if self.element_max is not None:
+            over = _overflowing_scales(t, self.dtype, self.element_max)
+            if over is not None:
+                self._note(over[0], base, over[1], f"scales whose products with elements up to {self.element_max:g} "
+                           "stay finite in float32")
+        if self.index_limit is not None and t.numel() and not t.dtype.is_floating_point:
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= self.index_limit:
+                self._note((t < 0) | (t >= self.index_limit), base, f"indices outside [0, {self.index_limit})",
+                           f"expert indices below n_routed_experts = {self.index_limit}")
+
+    def problems(self) -> list[str]:
+        """What was found, one sentence per kind of bad value (empty when the values hold)."""
+        return [f"holds {count} {what}, the first at flat index {first}; expected {expected}"
+                for what, (count, first, expected) in self.found.items()]
+
+    def finish(self) -> None:
+        """Raise the first problem found, as a :class:`SourceError` naming the tensor and its file."""
+        for what, (count, first, expected) in self.found.items():
+            raise _refuse(self.name, self.file, self.dtype, self.shape, count, first, what, expected)
+
+
+def check_values(name: str, file: str, dtype: str, t: torch.Tensor, element_max: float | None = None) -> None:
+    """Refuse NaN/Inf floats and NaN 8-bit float codes (found while converting), naming the tensor;
+    with ``element_max``, also block scales whose products overflow float32 (:class:`ValueScreen`)."""
+    screen = ValueScreen(name, file, dtype, tuple(t.shape), element_max=element_max)
+    screen.update(t)
+    screen.finish()
 
 
 class FileReader:
@@ -148,7 +234,7 @@ class FileReader:
             with self._fd_lock:
                 fd = self._fds.get(file)
                 if fd is None:
-                    fd = self._fds[file] = os.open(self.file_path(file), os.O_RDONLY)
+                    fd = self._fds[file] = open_regular(self.file_path(file), SourceError)
         return fd
 
     def _close_file(self, file: str) -> None:
@@ -157,23 +243,43 @@ class FileReader:
             if fd is not None:
                 os.close(fd)
 
-    def read(self, name: str) -> torch.Tensor:
-        """One tensor, as its own dtype and shape, with its values checked.
+    def _pread_into(self, t: SourceTensor, buf: torch.Tensor, at: int) -> None:
+        """Fill ``buf`` (uint8) with the tensor's bytes from ``at`` on, straight into its memory (``preadv``)."""
+        view, done, fd = memoryview(buf.numpy()), 0, self._fd(t.file)
+        while done < buf.numel():
+            try:
+                n = os.preadv(fd, [view[done:]], t.info.start + at + done)
+            except OSError as exc:
+                raise SourceError(f"{shown(t.file)}: cannot read tensor {shown(t.name)} ({exc.strerror})",
+                                  path=t.file, tensor=t.name) from None
+            if n <= 0:
+                raise SourceError(f"{shown(t.file)}: short read of tensor {shown(t.name)} ({at + done} of "
+                                  f"{t.info.nbytes} bytes); the file changed or is truncated. Copy or download it "
+                                  "again.", path=t.file, tensor=t.name)
+            done += n
 
-        Read straight into the tensor's memory (``preadv``): no intermediate bytes objects.
-        """
+    def read(self, name: str, element_max: float | None = None) -> torch.Tensor:
+        """One tensor, as its own dtype and shape, with its values checked (``element_max``: it holds block
+        scales of elements up to that magnitude, :class:`ValueScreen`)."""
         t = self.tensors[name]
         buf = torch.empty(t.info.nbytes, dtype=torch.uint8)
-        view, done, fd = memoryview(buf.numpy()), 0, self._fd(t.file)
-        while done < t.info.nbytes:
-            n = os.preadv(fd, [view[done:]], t.info.start + done)
-            if n <= 0:
-                raise SourceError(f"{t.file}: short read of tensor {name!r} ({done} of {t.info.nbytes} bytes); "
-                                  "the file changed or is truncated. Copy or download it again.")
-            done += n
+        self._pread_into(t, buf, 0)
         tensor = buf.view(DTYPES[t.info.dtype][0]).reshape(t.info.shape)
-        check_values(name, t.file, t.info.dtype, tensor)
+        check_values(name, t.file, t.info.dtype, tensor, element_max)
         return tensor
+
+    def scan(self, name: str, *, element_max: float | None = None, index_limit: int | None = None) -> None:
+        """Check a tensor's values (:class:`ValueScreen`) streaming it in chunks; nothing is kept."""
+        t = self.tensors[name]
+        dtype, size = DTYPES[t.info.dtype]
+        screen = ValueScreen(name, t.file, t.info.dtype, t.info.shape, element_max=element_max,
+                             index_limit=index_limit)
+        chunk = SCAN_CHUNK - SCAN_CHUNK % size
+        for at in range(0, t.info.nbytes, chunk):
+            buf = torch.empty(min(chunk, t.info.nbytes - at), dtype=torch.uint8)
+            self._pread_into(t, buf, at)
+            screen.update(buf.view(dtype), at // size)
+        screen.finish()
 
     def fd_and_range(self, name: str) -> tuple[int, int, int]:
         """(file descriptor, start offset, byte count) of a tensor, for zero-copy passthrough."""
@@ -196,23 +302,29 @@ class LocalSource(FileReader):
         super().__init__()
         self.root = Path(path)
         if not self.root.is_dir():
-            raise SourceError(f"{self.root}: no such folder. Give a checkpoint folder or a Hub repo id (owner/name).")
+            kind = file_kind(self.root)
+            raise SourceError(f"{self.root}: " + ("no such folder" if kind is None else f"is {kind}, not a folder")
+                              + ". Give a checkpoint folder or a Hub repo id (owner/name).", path=self.root)
         config_path = self.root / "config.json"
-        if not config_path.is_file():
-            raise SourceError(f"{self.root}: no config.json; a DeepSeek-V4 checkpoint folder has one")
+        if file_kind(config_path) is None:
+            raise SourceError(f"{self.root}: no config.json; a DeepSeek-V4 checkpoint folder has one", path=config_path)
         self.config = read_json(config_path, "a DeepSeek-V4 checkpoint's config.json is a JSON object")
         index_path = self.root / INDEX_FILE
-        if index_path.is_file():
+        if file_kind(index_path) is not None:
             weight_map = weight_map_from_index(read_json(index_path, "the safetensors index is corrupt"), str(index_path))
-        elif (self.root / SINGLE_FILE).is_file():
+        elif file_kind(self.root / SINGLE_FILE) is not None:
             weight_map = {n: SINGLE_FILE for n in read_header(self.root / SINGLE_FILE).tensors}
         else:
             raise SourceError(f"{self.root}: neither {INDEX_FILE} nor {SINGLE_FILE} found; not a safetensors checkpoint")
         self.files = sorted(set(weight_map.values()))
-        missing = [f for f in self.files if not (self.root / f).is_file()]
+        kinds = {f: file_kind(self.root / f) for f in self.files}
+        missing = [shown(f) for f, kind in kinds.items() if kind is None]
         if missing:
             raise SourceError(f"{index_path}: names shard files that are missing from {self.root}: {', '.join(missing)}. "
                               "Download them again (a checkpoint with missing shards would silently lose tensors).")
+        odd = next((f for f, kind in kinds.items() if kind != "a regular file"), None)
+        if odd is not None:
+            raise not_regular(self.root / odd, kinds[odd], SourceError)
         self.headers = {f: read_header(self.root / f) for f in self.files}
         self.tensors = locate_tensors(weight_map, self.headers, str(index_path))
 

@@ -21,6 +21,7 @@ from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
 from nvfp4_megamoe.runtime.format import ROW_TILES_STEP, alpha_shape, fused_expert_names
 
 from .safetensors_header import DTYPES
+from .source import E2M1_MAX, E4M3_MAX
 from .stats import ErrorStats
 from .transforms import (KernelMatrix, ct_alpha, ct_alpha_is_exact, ct_nvfp4_forward, dequantize_ct_nvfp4, fp8_forward,
                          measure_error, mxfp4_forward, nvfp4_forward)
@@ -65,7 +66,8 @@ class OutputSpec:
 
 
 class Reader(Protocol):
-    def read(self, name: str) -> torch.Tensor: ...
+    def read(self, name: str, element_max: float | None = None) -> torch.Tensor: ...
+    def scan(self, name: str, *, element_max: float | None = None, index_limit: int | None = None) -> None: ...
     def fd_and_range(self, name: str) -> tuple[int, int, int]: ...
 
 
@@ -89,11 +91,14 @@ def _scalar(t: torch.Tensor) -> float:
 
 @dataclass
 class Passthrough:
-    """A tensor copied byte for byte."""
+    """A tensor copied byte for byte, its values checked first (``Reader.scan``: no NaN/Inf; ``element_max``
+    for the block scales of an FP8 linear kept as it is, ``index_limit`` for a hash layer's ``tid2eid``)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    element_max: float | None = None
+    index_limit: int | None = None
 
     def __post_init__(self) -> None:
         self.key = self.name
@@ -104,6 +109,7 @@ class Passthrough:
         return 1
 
     def run(self, src: Reader, sink: Sink, tick: Callable[[int], None]) -> None:
+        src.scan(self.name, element_max=self.element_max, index_limit=self.index_limit)
         fd, start, count = src.fd_and_range(self.name)
         sink.copy(self.name, fd, start, count)
         tick(count)
@@ -167,7 +173,7 @@ class FusedMatrices:
         measured against (:func:`~.transforms.measure_error`)."""
         if self.fmt == "mxfp4":
             w = [src.read(p["weight"]) for p in item]
-            s = [src.read(p["scale"]) for p in item]
+            s = [src.read(p["scale"], E2M1_MAX) for p in item]
             m = mxfp4_forward(w, s)
             return m, ([dequantize_mxfp4(a, b) for a, b in zip(w, s)] if m.inexact_blocks else None)
         if self.fmt == "nvfp4":
@@ -186,7 +192,7 @@ class FusedMatrices:
             self.inexact_alphas += sum(not ct_alpha_is_exact(g) for g in gs)
             self.unrecoverable_global_scales += sum(ct_alpha(a) != g for a, g in zip(m.alphas, gs))
             return m, (None if exact else [dequantize_ct_nvfp4(x, y, g) for x, y, g in zip(w, s, gs)])
-        return fp8_forward([src.read(p["weight"]) for p in item], [src.read(p["scale"]) for p in item],
+        return fp8_forward([src.read(p["weight"]) for p in item], [src.read(p["scale"], E4M3_MAX) for p in item],
                            shared_alpha=not self.stacked)
 
     def run(self, src: Reader, sink: Sink, tick: Callable[[int], None]) -> None:
@@ -196,6 +202,9 @@ class FusedMatrices:
         s_bytes = self.scale.nbytes // n if self.stacked else 0
         for e, item in enumerate(self.members):
             m, ref = self.convert_item(src, item)
+            if not all(math.isfinite(a) and a > 0 for a in m.alphas):
+                raise ValueError(f"the global scale (alpha) of {self._where(e)} comes out as {list(m.alphas)}; the "
+                                 "source values overflow or vanish in float32 (check its scale tensors)")
             self.inexact += m.inexact_blocks
             if ref is not None:
                 self.measured = True
@@ -210,7 +219,13 @@ class FusedMatrices:
             tick(m.packed.numel() + m.scales.numel())
         self._record()
 
+    def _where(self, e: int) -> str:
+        return f"expert {e} of {self.prefix}" if self.stacked else self.prefix
+
     def _record(self) -> None:
+        if self.measured and not all(math.isfinite(v) for v in self.stats.result().values()):
+            raise ValueError(f"the measured conversion error of {self.prefix} is {self.stats.result()}, not finite: "
+                             "the source values overflow float32 (check its scale tensors)")
         lossless = self.fmt != "fp8" and self.inexact == 0 and not self.measured
         for spec in (self.weight, self.scale, self.alpha):
             spec.lossless = lossless

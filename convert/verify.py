@@ -8,13 +8,17 @@ compared in 64 MiB chunks, shards hashed in chunks on a helper thread):
    with ``fast``); dtypes and shapes match the plan re-made from the source, or config.json.
 2. **Values of the NVFP4 tensors** (always): no NaN/Inf/non-positive alpha, no NaN E4M3 byte
    (0x7F/0xFF) in any ``weight_scale``, every swizzle padding byte zero.
-3. **Round trip** (when the source is given, or the manifest's recorded local source path
-   exists; :mod:`.verify_roundtrip`): the inverse transforms on every converted item compared
+   Every other tensor holds no NaN/Inf float and no NaN 8-bit float code.
+3. **Round trip** (against the source given, or the local source path the manifest recorded;
+   :mod:`.verify_roundtrip`): the inverse transforms on every converted item compared
    with the source tensors: lossless paths bit-exact (codes and effective scales), lossy paths
    within the documented bounds (docs/format.md, "Verification bounds") and equal to the error
    the manifest recorded; passthrough tensors byte-identical; ModelOpt ``input_scale`` equal.
+   When no source can be reached the round trip cannot be done, and that is a failure unless
+   ``structure_only`` says the caller does not ask for it.
 
 The result is a :class:`VerifyReport`; ``report.ok`` is true only when every check held.
+Names read from the checkpoint are printed escaped (``errors.shown``).
 """
 
 from __future__ import annotations
@@ -32,16 +36,18 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from nvfp4_megamoe.input_files import file_kind, read_json_object
 from nvfp4_megamoe.kernels.row_tiles import untile_rows
 from nvfp4_megamoe.kernels.scales import E4M3_NAN_BYTES
 from nvfp4_megamoe.kernels.swizzle import swizzle_padding
+from nvfp4_megamoe.runtime.config import ModelConfig
 from nvfp4_megamoe.runtime.format import FormatError, has_row_tiles
 
-from .errors import ConvertError
+from .errors import ConvertError, shown
 from .options import DEFAULT_SHARD_SIZE, Options
 from .plan import Plan, make_plan
-from .safetensors_header import TensorInfo, tensor_from_bytes
-from .source import LocalSource
+from .safetensors_header import DTYPES, TensorInfo, tensor_from_bytes
+from .source import LocalSource, ValueScreen
 from .units import FusedMatrices, Passthrough
 from .verify_roundtrip import BOUNDS, CHECKS, Item, UnitCheck, bound_violations, manifest_disagreement, scale_cols
 from .verify_structure import Layout, check_against_config, check_files, nvfp4_groups
@@ -63,7 +69,7 @@ class Failure:
     message: str
 
     def __str__(self) -> str:
-        where = " ".join(x for x in (self.tensor, f"[{self.shard}]" if self.shard else None) if x)
+        where = " ".join(shown(x) for x in (self.tensor, f"[{self.shard}]" if self.shard else None) if x)
         return f"{where}: {self.message}" if where else self.message
 
 
@@ -167,13 +173,19 @@ def _kind(entry: dict) -> str:
     return "lossless" if entry.get("lossless") else "lossy"
 
 
-def _open_source(source: str | os.PathLike | None, manifest: dict, rep: VerifyReport) -> LocalSource | None:
-    recorded = manifest.get("source") or {}
+def _open_source(source: str | os.PathLike | None, manifest: dict, rep: VerifyReport,
+                 structure_only: bool) -> LocalSource | None:
+    recorded = manifest.get("source")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    if structure_only:
+        return None
     if source is None:
         path = recorded.get("path") if recorded.get("kind") == "local" else None
-        if not path or not Path(path).is_dir():
-            what = f"the recorded source {path} is not reachable" if path else "the manifest records no local source"
-            rep.warnings.append(f"round trip skipped: {what}; give --source to compare with the source")
+        if not isinstance(path, str) or not path or not Path(path).is_dir():
+            what = (f"the source the manifest recorded, {shown(path)}, is not a folder here" if path else
+                    "the manifest records no local source (a Hub conversion, or the record was removed)")
+            rep.fail(None, None, f"the round trip against the source cannot be done: {what}. Give the source folder "
+                     "with --source, or pass --structure-only to check structure, hashes and values without it.")
             return None
         source = path
     try:
@@ -182,15 +194,15 @@ def _open_source(source: str | os.PathLike | None, manifest: dict, rep: VerifyRe
         rep.fail(None, None, f"source {source}: {exc}")
         return None
     rep.source = str(source)
-    files = recorded.get("files") or {}
+    files = recorded.get("files") if isinstance(recorded.get("files"), dict) else {}
     for f in sorted(set(files) | set(src.files)):
         if f not in src.files:
             rep.fail(None, f, f"the conversion read this source shard but {source} has no such file in its index")
         elif f not in files:
             rep.fail(None, f, f"source shard of {source} that the manifest does not record: not the source converted")
-        elif os.path.getsize(src.file_path(f)) != files[f].get("size"):
+        elif not isinstance(files[f], dict) or os.path.getsize(src.file_path(f)) != files[f].get("size"):
             rep.fail(None, f, f"source shard is {os.path.getsize(src.file_path(f))} bytes, the manifest recorded "
-                     f"{files[f].get('size')}: not the source converted")
+                     f"{files[f].get('size') if isinstance(files[f], dict) else files[f]!r}: not the source converted")
     return src
 
 
@@ -278,6 +290,10 @@ class _Verifier:
         for name in self.copies:
             if name in self.reader.info and name not in grouped:
                 out.append(("copy", name, self.reader.info[name][1].nbytes))
+        if self.src is None:  # no round trip: the values of every other tensor are still screened
+            for name, (_, info) in self.reader.info.items():
+                if name not in grouped:
+                    out.append(("values", name, info.nbytes))
         pos = lambda j: self.reader.info[j[1] + (".weight" if j[0] == "group" else "")]  # noqa: E731
         return sorted(out, key=lambda j: (pos(j)[0], pos(j)[1].start))
 
@@ -286,6 +302,8 @@ class _Verifier:
         try:
             if kind == "group":
                 self.group(name, res)
+            elif kind == "values":
+                self.values(name, res)
             else:
                 self.copy(name, res)
         except Exception as exc:  # noqa: BLE001 - any surprise is a failure of this tensor, not a crash
@@ -367,7 +385,7 @@ class _Verifier:
                     found[tensor].append(f"the manifest says lossless={rec.get('lossless')}, verify finds "
                                          f"{acc.inexact} inexact blocks")
                 elif rec.get("inexact_blocks", acc.inexact) != acc.inexact:
-                    res.warnings.append(f"{tensor}: the manifest counts {rec.get('inexact_blocks')} inexact "
+                    res.warnings.append(f"{shown(tensor)}: the manifest counts {rec.get('inexact_blocks')} inexact "
                                         f"blocks, verify counts {acc.inexact}")
             if not lossy or role != "weight":
                 continue
@@ -378,23 +396,45 @@ class _Verifier:
             if why:
                 found[tensor].append(why)
 
+    def _screen(self, name: str) -> tuple[ValueScreen, int]:
+        shard, info = self.reader.info[name]
+        return ValueScreen(name, shard, info.dtype, info.shape), DTYPES[info.dtype][1]
+
+    def _screened(self, screen: ValueScreen, res: _JobResult) -> None:
+        res.failures += [(screen.name, screen.file, p) for p in screen.problems()]
+
+    def values(self, name: str, res: _JobResult) -> None:
+        """No NaN/Inf float and no NaN 8-bit float code in tensor ``name`` (read in chunks)."""
+        shard, info = self.reader.info[name]
+        screen, size = self._screen(name)
+        fd, chunk = self.reader.fd(shard), CHUNK - CHUNK % size
+        for done in range(0, info.nbytes, chunk):
+            data = os.pread(fd, min(chunk, info.nbytes - done), info.start + done)
+            screen.update(tensor_from_bytes(data, TensorInfo(info.dtype, (len(data) // size,), 0, len(data))),
+                          done // size)
+            self.tick(len(data))
+        self._screened(screen, res)
+
     def copy(self, name: str, res: _JobResult) -> None:
         shard, info = self.reader.info[name]
         fd_src, start, count = self.src.fd_and_range(name)
         if count != info.nbytes:
             res.failures.append((name, shard, f"holds {info.nbytes} bytes, the source tensor {count}"))
             return
-        fd, done = self.reader.fd(shard), 0
+        screen, size = self._screen(name)
+        fd, done, chunk = self.reader.fd(shard), 0, CHUNK - CHUNK % size
         while done < count:
-            n = min(CHUNK, count - done)
+            n = min(chunk, count - done)
             a, b = os.pread(fd_src, n, start + done), os.pread(fd, n, info.start + done)
             if a != b:
                 at = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
                 res.failures.append((name, shard, f"differs from the source tensor at byte {done + at} "
                                      "(passthrough must be byte-identical)"))
                 return
+            screen.update(tensor_from_bytes(b, TensorInfo(info.dtype, (len(b) // size,), 0, len(b))), done // size)
             done += n
             self.tick(n)
+        self._screened(screen, res)
         res.updates[name]["checked"] = "round trip"
 
     def run(self, jobs: list[tuple[str, str, int]], rep: VerifyReport, workers: int) -> None:
@@ -419,16 +459,17 @@ class _Verifier:
 
 
 def verify_checkpoint(out: str | os.PathLike, source: str | os.PathLike | None = None, fast: bool = False,
-                      progress: bool = True, *, workers: int = DEFAULT_WORKERS) -> VerifyReport:
+                      progress: bool = True, *, workers: int = DEFAULT_WORKERS,
+                      structure_only: bool = False) -> VerifyReport:
     """Verify the converted checkpoint in ``out`` (see the module docstring for every check).
 
-    ``source``: the source checkpoint folder; by default the manifest's recorded local path is
-    used when it exists, otherwise only structure and value checks run (``report.round_trip``
-    is then false). ``fast`` skips the shard sha256 hashing (the round trip still compares every
-    tensor with the source). Problems never raise: they are collected as
-    :class:`Failure` entries of the returned :class:`VerifyReport`; only an unreadable ``out``
-    folder raises :class:`FileNotFoundError`. ``workers`` threads check groups in parallel (the
-    report does not depend on it).
+    ``source``: the source checkpoint folder; by default the local path the manifest recorded. When
+    neither can be reached the round trip cannot be done, and the report fails saying so, unless
+    ``structure_only`` is set: then only structure, hash and value checks run (``report.round_trip`` is
+    false). ``fast`` skips the shard sha256 hashing (the round trip still compares every tensor with the
+    source). Problems never raise: they are collected as :class:`Failure` entries of the returned
+    :class:`VerifyReport`; only an unreadable ``out`` folder raises :class:`FileNotFoundError`.
+    ``workers`` threads check groups in parallel (the report does not depend on it).
     """
     out = Path(out)
     if not out.is_dir():
@@ -443,17 +484,18 @@ def verify_checkpoint(out: str | os.PathLike, source: str | os.PathLike | None =
     for name, res in rep.tensors.items():
         if res.shard in lay.bad_shards:
             res.ok = False
-            res.problems.append(f"not checked: shard {res.shard} is missing or unreadable")
+            res.problems.append(f"not checked: shard {shown(res.shard)} is missing or unreadable")
 
-    src = _open_source(source, lay.manifest, rep)
+    src = _open_source(source, lay.manifest, rep, structure_only)
     plan = None
     if src is not None:
         try:
-            opts = lay.manifest.get("options", {})
+            opts = lay.manifest.get("options")
+            opts = opts if isinstance(opts, dict) else {}
             plan = make_plan(src, Options(dense=opts.get("dense", "nvfp4"),
                                           shard_size=int(opts.get("shard_size", DEFAULT_SHARD_SIZE)),
                                           target=opts.get("target", "sm100")))
-        except ConvertError as exc:
+        except (ConvertError, ValueError, TypeError) as exc:
             rep.fail(None, None, f"cannot re-make the plan from the source: {exc}")
     verifier = _Verifier(out, lay, src, plan)
     try:
@@ -461,12 +503,14 @@ def verify_checkpoint(out: str | os.PathLike, source: str | os.PathLike | None =
             _compare_plan(plan, lay, verifier.reader, rep)
             rep.round_trip = True
         else:
+            verifier.src = None  # no plan: no round trip, every tensor's values screened instead
             try:
-                config = json.loads((out / "config.json").read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                rep.fail(None, "config.json", f"cannot read config.json ({exc})")
-                config = {}
-            check_against_config(config, lay, rep.fail)
+                config = ModelConfig.from_dict(read_json_object(out / "config.json", "a converted checkpoint carries "
+                                                                "the source's config.json", FormatError))
+            except FormatError as exc:
+                rep.fail(None, "config.json", f"cannot read config.json: {exc}")
+            else:
+                check_against_config(config, lay, rep.fail)
         jobs = verifier.jobs()
         total = sum(n for _, _, n in jobs) + (0 if fast else sum(os.path.getsize(out / s) for s in lay.headers))
         with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar, \
@@ -477,7 +521,7 @@ def verify_checkpoint(out: str | os.PathLike, source: str | os.PathLike | None =
             for name, fut in hashes.items():
                 want = lay.manifest["shards"][name].get("sha256")
                 if fut.result() != want:
-                    rep.fail(None, name, f"sha256 {fut.result()} differs from the manifest's {want}: the shard "
+                    rep.fail(None, name, f"sha256 {fut.result()} differs from the manifest's {want!r}: the shard "
                              "changed after conversion (copy it again, or convert again)")
         rep.hashed = not fast
     finally:
@@ -491,7 +535,7 @@ def format_report(rep: VerifyReport, worst: int = 3, listed: int = 50) -> str:
     """The human-readable summary: what was checked, the worst lossy tensors, every failure."""
     lines = [f"verify {rep.out}"]
     lines.append(f"  source:  {rep.source} (round trip against the source)" if rep.round_trip else
-                 "  source:  none (structure and value checks only; no round trip)")
+                 "  source:  none (structure, hash and value checks only; no round trip)")
     lines.append(f"  shards:  {len(rep.shards)} ({'sha256 checked' if rep.hashed else 'sha256 not checked (--fast)'})")
     kinds = Counter(r.kind for r in rep.tensors.values())
     checked = Counter(r.checked for r in rep.tensors.values())
@@ -506,10 +550,10 @@ def format_report(rep: VerifyReport, worst: int = 3, listed: int = 50) -> str:
         lines.append(f"  worst lossy tensors per source format ({', '.join(f'{k} {v}' for k, v in sorted(by_path.items()))}):")
         lines.append(f"    {'tensor':48s} {'from':5s} {'rel_fro':>9s} {'max_abs':>9s} {'cosine':>8s} {'bound':>7s} "
                      f"{'manifest':>9s}")
-        shown = [r for path in sorted(by_path) for r in [x for x in lossy if x.source_format == path][:worst]]
-        for r in shown:
+        listed_lossy = [r for path in sorted(by_path) for r in [x for x in lossy if x.source_format == path][:worst]]
+        for r in listed_lossy:
             rec = (r.manifest_error or {}).get("rel_fro")
-            lines.append(f"    {r.name:48s} {r.source_format or '':5s} {r.error['rel_fro']:9.3e} {r.error['max_abs']:9.3e} "
+            lines.append(f"    {shown(r.name):48s} {r.source_format or '':5s} {r.error['rel_fro']:9.3e} {r.error['max_abs']:9.3e} "
                          f"{r.error['cosine']:8.5f} {r.bound['rel_fro']:7.4f} "
                          f"{'-' if rec is None else format(rec, '9.3e'):>9s}")
     for w in rep.warnings[:listed]:

@@ -9,16 +9,17 @@ manifest, the index and the headers, and dtypes/shapes match the plan re-made fr
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from nvfp4_megamoe.input_files import file_kind, read_json_object
 from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
+from nvfp4_megamoe.runtime.config import ModelConfig
 from nvfp4_megamoe.runtime.format import INDEX_FILE, MANIFEST_FILE, SHARD_METADATA, FormatError, read_manifest, alpha_shape
 
-from .errors import SourceError
+from .errors import ConvertError, SourceError, shown
 from .safetensors_header import Header, read_header
 
 Fail = Callable[[str | None, str | None, str], None]  # (tensor, file, message)
@@ -48,19 +49,27 @@ def check_files(out: Path, fail: Fail, warn: Callable[[str], None]) -> Layout:
     lay = Layout()
     try:
         lay.manifest = read_manifest(out)
-    except (FormatError, json.JSONDecodeError, OSError) as exc:
+    except FormatError as exc:
         fail(None, MANIFEST_FILE, str(exc))
         return lay
     try:
-        index = json.loads((out / INDEX_FILE).read_text())
-        lay.weight_map = dict(index["weight_map"])
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        fail(None, INDEX_FILE, f"cannot read the index ({exc}); a finished conversion writes it last")
+        index = read_json_object(out / INDEX_FILE, "a finished conversion writes it last", SourceError)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise SourceError(f"{out / INDEX_FILE}: no 'weight_map' object of tensor -> shard file names")
+        lay.weight_map = dict(weight_map)
+    except ConvertError as exc:
+        fail(None, INDEX_FILE, f"cannot read the index: {exc}")
         index = {}
     shards: dict = lay.manifest.get("shards") or {}
     tensors: dict = lay.manifest.get("tensors") or {}
     for name, entry in shards.items():
-        for t in entry.get("tensors", []):
+        listed = entry.get("tensors", [])
+        if not isinstance(listed, list) or not all(isinstance(t, str) for t in listed):
+            fail(None, name, f"the manifest's list of this shard's tensors is malformed ({type(listed).__name__})")
+            entry["tensors"] = []
+            continue
+        for t in listed:
             lay.shard_of[t] = name
     for t, f in lay.weight_map.items():
         lay.shard_of.setdefault(t, f)
@@ -72,6 +81,10 @@ def check_files(out: Path, fail: Fail, warn: Callable[[str], None]) -> Layout:
             lay.bad_shards.add(name)
             fail(None, name, "shard is missing: the manifest" + (" and the index" if name in index_files else "")
                  + f" list it with {len(shards[name].get('tensors', []))} tensors. Convert again (or copy the shard back).")
+        elif file_kind(out / name) != "a regular file":
+            lay.bad_shards.add(name)
+            fail(None, name, f"is {file_kind(out / name)}, not a regular file; it was not read (a read could block "
+                 "forever). Copy the real shard back, or convert again.")
     for name in sorted(index_files - set(shards)):
         fail(None, name, "the index maps tensors to this shard but the manifest does not list it")
         if name not in on_disk:
@@ -79,12 +92,14 @@ def check_files(out: Path, fail: Fail, warn: Callable[[str], None]) -> Layout:
     for name in sorted(on_disk - set(shards) - index_files):
         fail(None, name, "stray shard: present in the folder but in neither the manifest nor the index")
     for p in sorted(out.glob(".*.partial")):
-        warn(f"{p.name}: an unfinished shard of an interrupted run is still in the folder")
+        warn(f"{shown(p.name)}: an unfinished shard of an interrupted run is still in the folder")
 
     for name in sorted(set(shards) - lay.bad_shards):
         path = out / name
         size, want = os.path.getsize(path), shards[name].get("size")
-        if want is not None and size != want:
+        if want is not None and (not isinstance(want, int) or isinstance(want, bool)):
+            fail(None, name, f"the manifest records its size as {want!r}, not a number of bytes")
+        elif want is not None and size != want:
             fail(None, name, f"shard is {size} bytes, the manifest records {want}"
                  + (" (truncated)" if size < want else ""))
         try:
@@ -112,15 +127,17 @@ def check_files(out: Path, fail: Fail, warn: Callable[[str], None]) -> Layout:
         if lay.weight_map and t not in lay.weight_map:
             problems.append((t, where, "not in the index weight_map"))
         elif lay.weight_map and where is not None and lay.weight_map[t] != where:
-            problems.append((t, where, f"the index maps it to {lay.weight_map[t]}, the manifest to {where}"))
+            problems.append((t, where, f"the index maps it to {shown(lay.weight_map[t])}, the manifest to "
+                             f"{shown(where)}"))
         if t in tensors and where is None:
             problems.append((t, None, "has a manifest record but no shard holds it"))
     _listed(fail, problems)
 
-    total = index.get("metadata", {}).get("total_size") if isinstance(index, dict) else None
+    metadata = index.get("metadata") if isinstance(index, dict) else None
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
     if not lay.bad_shards and total is not None:
         have = sum(i.nbytes for h in lay.headers.values() for i in h.tensors.values())
-        if int(total) != have:
+        if total != have:
             fail(None, INDEX_FILE, f"metadata.total_size is {total}, the shards hold {have} tensor bytes")
     return lay
 
@@ -132,7 +149,7 @@ def nvfp4_groups(names: list[str] | set[str]) -> list[str]:
                   and n[: -len(".weight_scale")] + ".weight" in s and n[: -len(".weight_scale")] + ".alpha" in s)
 
 
-def check_against_config(config: dict, lay: Layout, fail: Fail) -> None:
+def check_against_config(config: ModelConfig, lay: Layout, fail: Fail) -> None:
     """Without a source: the NVFP4 families' dtypes and shapes agree with each other and config.json."""
     info = {t: (h.path, i) for h in lay.headers.values() for t, i in h.tensors.items()}
     problems = []
@@ -151,7 +168,7 @@ def check_against_config(config: dict, lay: Layout, fail: Fail) -> None:
             problems.append((prefix + ".alpha", shard, f"is {a.dtype} {list(a.shape)}, expected F32 "
                              f"{list(alpha_shape(prefix, lead))}"))
         if ".ffn.experts." in prefix + ".":
-            e, i, h = (int(config.get(k, -1)) for k in ("n_routed_experts", "moe_intermediate_size", "hidden_size"))
+            e, i, h = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
             fused = prefix.rsplit(".", 1)[1]
             want_w = (e, 2 * i, h // 2) if fused == "w13" else (e, h, i // 2)
             if w.shape != want_w:

@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 _COMPILED: dict[tuple, Callable] = {}
+_COLLECTED: list[tuple[object, list[torch.Tensor]]] | None = None  # set inside ``collecting``
 CACHE_ENV = "NVFP4_MEGAMOE_KERNEL_CACHE"
 _CACHE_OFF = {"", "0", "off", "false", "none"}
 _UNWRITABLE: set[Path] = set()  # cache folders a store failed in: warned once, not tried again
@@ -132,10 +134,20 @@ def _store_cached(where: tuple[Path, str], fn) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def compile_op(op, tensors: list[torch.Tensor]) -> Callable:
+def compile_key(op, tensors: list[torch.Tensor]) -> tuple:
+    """What a compiled function is specialised on: the op's configuration and each operand's dtype, rank, alignment
+    and device type (a function compiled for CPU tensors, as the CI's sm_90a builds are, refuses CUDA ones)."""
+    return type(op).__name__, op.key(), tuple((t.dtype, t.dim(), _alignment(t), t.device.type) for t in tensors)
+
+
+def compile_op(op, tensors: list[torch.Tensor]) -> Callable | None:
     """Compile ``op`` for these tensors' dtypes, ranks and alignments (shapes stay dynamic), cached
-    in-process and on disk. The result is called as ``fn(*tensors, stream_handle)``."""
-    key = (type(op).__name__, op.key(), tuple((t.dtype, t.dim(), _alignment(t)) for t in tensors))
+    in-process and on disk. The result is called as ``fn(*tensors, stream_handle)``. Inside :func:`collecting`
+    nothing is compiled: the (op, tensors) pair is listed and None returned."""
+    if _COLLECTED is not None:
+        _COLLECTED.append((op, tensors))
+        return None
+    key = compile_key(op, tensors)
     fn = _COMPILED.get(key)
     if fn is None:
         where = _cache_file(key)
@@ -153,12 +165,76 @@ def compile_op(op, tensors: list[torch.Tensor]) -> Callable:
     return fn
 
 
+@contextlib.contextmanager
+def collecting() -> Iterator[list[tuple[object, list[torch.Tensor]]]]:
+    """``with collecting() as jobs:``: every :func:`compile_op` call in the block appends (op, tensors) to ``jobs``
+    instead of compiling (a warm-up that only compiles can thus say what it needs). Not for launches."""
+    global _COLLECTED
+    outer, _COLLECTED = _COLLECTED, []
+    try:
+        yield _COLLECTED
+    finally:
+        _COLLECTED = outer
+
+
+def _operand_spec(t: torch.Tensor) -> tuple:
+    """What a worker needs to make a tensor with the same compile key (``compile_key``)."""
+    return tuple(t.shape), t.dtype, t.device.type, _alignment(t) == 16
+
+
+def _operand(spec: tuple) -> torch.Tensor:
+    shape, dtype, device, aligned = spec
+    n = math.prod(shape)
+    flat = torch.empty(n + (0 if aligned else 1), dtype=dtype, device=device)
+    return (flat if aligned else flat[1:]).view(shape)  # one element off an aligned start: not 16-byte aligned
+
+
+def _compile_share(jobs: list[tuple[object, list[tuple]]]) -> int:
+    """A worker process: compile (and so store in the disk cache) each (op, operand specs) job."""
+    for op, specs in jobs:
+        compile_op(op, [_operand(spec) for spec in specs])
+    return len(jobs)
+
+
+def compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | None = None) -> int:
+    """Compile every (op, tensors) job not compiled yet: in up to ``processes`` worker processes (default: the CPU
+    cores) when the disk cache is on and more than one job is left, which store the object files that this process
+    then loads; otherwise here, one after the other. Returns how many jobs were compiled (not found cached)."""
+    todo: dict[tuple, tuple] = {}
+    for op, tensors in jobs:
+        key = compile_key(op, tensors)
+        where = _cache_file(key)
+        cached = key in _COMPILED or (where is not None and where[0].is_file())
+        if not cached:
+            todo.setdefault(key, (op, tensors))
+    workers = min(len(todo), processes or os.cpu_count() or 1)
+    if workers > 1 and cache_folder() is not None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # the longest compiles first, one job a task, so that no worker is left with a long one at the end
+        order = sorted(todo.values(), key=lambda job: getattr(job[0], "compile_cost", 1), reverse=True)
+        specs = [[(op, [_operand_spec(t) for t in tensors])] for op, tensors in order]
+        # spawned (not forked) workers: this process may hold a CUDA context
+        try:
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+                list(pool.map(_compile_share, specs))
+        except Exception as exc:  # noqa: BLE001 - a worker that failed leaves its kernels to be compiled here
+            warnings.warn(f"parallel kernel compilation failed ({exc}); compiling in this process", stacklevel=2)
+    for op, tensors in todo.values():
+        compile_op(op, tensors)  # from the disk cache where a worker stored it
+    return len(todo)
+
+
 def launch(op, tensors: list[torch.Tensor]) -> None:
     """Compile once (:func:`compile_op`), then launch on the current stream."""
     compile_op(op, tensors)(*tensors, torch.cuda.current_stream().cuda_stream)
 
 
 def expect(cond: bool, msg: str) -> None:
-    """Host-side argument check: raise ``ValueError(msg)`` unless ``cond``."""
+    """Host-side argument check: raise :class:`~nvfp4_megamoe.errors.KernelArgumentError` (a ``ValueError``)
+    with ``msg`` unless ``cond``."""
     if not cond:
-        raise ValueError(msg)
+        from nvfp4_megamoe.errors import KernelArgumentError
+
+        raise KernelArgumentError(msg)

@@ -57,7 +57,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from . import sm90_ptx as ptx
 from .sm90_ptx import LOG2E, SMEM_LIMIT
-from .cute_host import expect as _expect, launch as _launch
+from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA
 from .sm90_heuristics import pick_cluster, pick_splits
 
@@ -643,3 +643,30 @@ def sm90_decode_attention(q, kv_window, window_len, kv_compressed, indices, sink
     if parts > 1:
         _launch(Sm90DecodeAttentionCombine(groups=4 if parts >= 8 else 1), [o_part, ml, sink, out])
     return out
+
+
+def warmup(modes: tuple[str, ...], heads: int, scale: float, device) -> int:
+    """Compile the split kernel in ``modes`` with every cluster, and both combine kernels (what
+    :func:`sm90_decode_attention` can launch for a model with ``heads`` heads and logit ``scale``); returns how
+    many kernels."""
+    import torch
+    bf = dict(dtype=torch.bfloat16, device=device)
+    b, w, n, s = 1, 2, 2, 2  # sizes are dynamic: the kernels specialise on dtypes and ranks
+    q, kv, out = torch.empty(b, heads, HEAD_DIM, **bf), torch.empty(b, w, HEAD_DIM, **bf), torch.empty(b, heads, HEAD_DIM, **bf)
+    wlen = torch.empty(b, dtype=torch.int32, device=device)
+    kvc, idx = torch.empty(b, n, HEAD_DIM, **bf), torch.empty(b, n, dtype=torch.int32, device=device)
+    sink = torch.empty(heads, dtype=torch.float32, device=device)
+    o_part = torch.empty(b, heads, s, HEAD_DIM, dtype=torch.float32, device=device)
+    ml = torch.empty(b, heads, s, 2, dtype=torch.float32, device=device)
+    count = 0
+    for mode in modes:
+        operands = {"window": (kv, wlen.view(b, 1)), "dense": (kvc, wlen.view(b, 1)), "indexed": (kvc, idx)}[mode]
+        for cluster in CLUSTERS:
+            _compile(Sm90DecodeAttention(mode=mode, scale=scale, cluster=cluster),
+                     [q, kv, wlen, *operands, sink, out, o_part, ml])
+            count += 1
+    for groups in (1, 4):
+        _compile(Sm90DecodeAttentionCombine(groups), [o_part, ml, sink, out])
+        count += 1
+    return count
+

@@ -16,7 +16,7 @@ from cutlass import Float32
 
 from . import sm90_ptx as ptx
 from .sm90_ptx import LOG2E
-from .cute_host import expect as _expect, launch as _launch
+from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 
 THREADS = 128
 MAX_HC = 8                             # streams per token the kernel unrolls (V4: 4)
@@ -127,3 +127,14 @@ def sm90_hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor
         _launch(Sm90HcWeights(hc=hc, iters=max(iters, 1), hc_eps=hc_eps),
                 [flat, base.float().contiguous(), scale.float().contiguous(), pre, post, comb])
     return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+def warmup(hc: int, iters: int, hc_eps: float, device) -> int:
+    """Compile the kernel :func:`sm90_hc_weights` launches for these settings; returns 1."""
+    m = (2 + hc) * hc
+    f32 = dict(dtype=torch.float32, device=device)
+    _compile(Sm90HcWeights(hc=hc, iters=max(iters, 1), hc_eps=hc_eps),
+             [torch.empty(1, m, **f32), torch.empty(m, **f32), torch.empty(3, **f32), torch.empty(1, hc, **f32),
+              torch.empty(1, hc, **f32), torch.empty(1, hc * hc, **f32)])
+    return 1
+

@@ -137,6 +137,11 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
     def key(self) -> tuple:
         return (self.problem, self.tiling)
 
+    @property
+    def compile_cost(self) -> int:
+        """Relative compile time (``cute_host.compile_all``): one k-tile loop per MMA width, each about N wide."""
+        return (self.bn // 16) * ((self.bn - self.min_tokens) // self.width_step + 1)
+
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
                  mTok: cute.Tensor, mRW: cute.Tensor, mTiles: cute.Tensor, mNumTiles: cute.Tensor,

@@ -5,18 +5,25 @@ it relies on: the manifest's format and version, that every shard the index name
 carries the format-1 header metadata, and (optionally) the shards' sha256 against the manifest.
 Tensors are read with ``safe_open(...).get_slice`` so that a caller asking for a range of
 experts gets only those rows' bytes; :attr:`Checkpoint.bytes_read` counts what was materialised.
+
+What the folder says is input: the index and manifest are read strictly (``input_files``), every
+shard file they name must be a format-1 shard name (so no path leads outside the folder) and a
+regular file (a FIFO would block the reader).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, FormatError, read_manifest
+from nvfp4_megamoe.errors import shown
+from nvfp4_megamoe.input_files import file_kind, not_regular, open_regular, read_json_object
+
+from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, FormatError, check_shard_name, read_manifest
 
 
 class Checkpoint:
@@ -28,12 +35,19 @@ class Checkpoint:
             raise FormatError(f"{self.path}: not a directory")
         self.manifest = read_manifest(self.path)
         index_file = self.path / INDEX_FILE
-        if not index_file.is_file():
+        if file_kind(index_file) is None:
             raise FormatError(f"{index_file}: missing; the checkpoint is incomplete (re-run the conversion)")
-        self.weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        weight_map = read_json_object(index_file, "the index is corrupt; convert again", FormatError).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise FormatError(f"{index_file}: no 'weight_map' object; the index is corrupt (convert again)")
+        self.weight_map: dict[str, str] = {t: check_shard_name(f, f"{index_file} (tensor {t!r})")
+                                           for t, f in weight_map.items()}
         for shard in sorted(set(self.weight_map.values())):
-            if not (self.path / shard).is_file():
+            kind = file_kind(self.path / shard)
+            if kind is None:
                 raise FormatError(f"{self.path / shard}: shard named by {INDEX_FILE} is missing")
+            if kind != "a regular file":
+                raise not_regular(self.path / shard, kind, FormatError)
         if verify_hashes:
             self.verify_hashes()
         self._handles: dict[str, object] = {}
@@ -43,11 +57,21 @@ class Checkpoint:
     def _open(self, shard: str):
         handle = self._handles.get(shard)
         if handle is None:
-            handle = safe_open(str(self.path / shard), framework="pt")
+            try:
+                handle = safe_open(str(self.path / shard), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise FormatError(f"{self.path / shard}: the shard cannot be read as safetensors ({exc}); it is "
+                                  "corrupt or truncated: copy it again, or convert again.", path=self.path / shard) from None
             meta = handle.metadata() or {}
             if meta.get("nvfp4_format") != FORMAT_NAME or meta.get("nvfp4_format_version") != str(FORMAT_VERSION):
                 raise FormatError(f"{self.path / shard}: header metadata {meta} is not {FORMAT_NAME} "
                                   f"version {FORMAT_VERSION}; re-convert or upgrade nvfp4-megamoe")
+            held = set(handle.keys())
+            absent = sorted(t for t, f in self.weight_map.items() if f == shard and t not in held)
+            if absent:
+                raise FormatError(f"{self.path / shard}: holds no tensor {shown(absent[0])!r}, which {INDEX_FILE} maps "
+                                  f"to it ({len(absent)} such); the index and the shard disagree: convert again.",
+                                  path=self.path / shard, tensor=absent[0])
             self._handles[shard] = handle
         return handle
 
@@ -90,14 +114,15 @@ class Checkpoint:
         if not shards:
             raise FormatError(f"{self.path}: the manifest records no shard hashes to verify")
         for shard, record in shards.items():
-            file = self.path / shard
-            if not file.is_file():
+            file = self.path / check_shard_name(shard, f"{self.path}/nvfp4_manifest.json")
+            if file_kind(file) is None:
                 raise FormatError(f"{file}: shard recorded in the manifest is missing")
+            fd = open_regular(file, FormatError)
             size = record.get("size")
-            if size is not None and file.stat().st_size != size:
-                raise FormatError(f"{file}: size {file.stat().st_size} != {size} recorded in the manifest")
             digest = hashlib.sha256()
-            with open(file, "rb") as fh:
+            with os.fdopen(fd, "rb") as fh:
+                if size is not None and os.fstat(fd).st_size != size:
+                    raise FormatError(f"{file}: size {os.fstat(fd).st_size} != {size} recorded in the manifest")
                 for block in iter(lambda: fh.read(1 << 24), b""):
                     digest.update(block)
             if digest.hexdigest() != record.get("sha256"):

@@ -6,8 +6,11 @@ what is named here and ``runtime`` reads it, so neither spells a file or tensor 
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
+
+from nvfp4_megamoe.errors import FormatError, shown
+from nvfp4_megamoe.input_files import file_kind, read_json_object
 
 FORMAT_NAME = "nvfp4-megamoe"
 FORMAT_VERSION = 1  # the manifest of a canonical (``--target sm100``) checkpoint, and every shard header
@@ -24,13 +27,23 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 SHARD_METADATA = {"format": "pt", "nvfp4_format": FORMAT_NAME, "nvfp4_format_version": str(FORMAT_VERSION)}
 
 
-class FormatError(ValueError):
-    """A folder is not a format-1 checkpoint this version can read; the message says what to do."""
-
-
 def shard_name(i: int, n: int) -> str:
     """File name of output shard ``i`` (1-based) of ``n``."""
     return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+_SHARD_NAME = re.compile(r"model-([0-9]{5,})-of-([0-9]{5,})\.safetensors")
+
+
+def check_shard_name(name: object, where: str) -> str:
+    """``name`` if it is a format-1 shard file name (:func:`shard_name`), else :class:`FormatError`: an index or
+    manifest naming anything else (``../x``, an absolute path) would lead a reader outside the checkpoint."""
+    m = _SHARD_NAME.fullmatch(name) if isinstance(name, str) else None
+    if m is None or name != shard_name(int(m.group(1)), int(m.group(2))) or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise FormatError(f"{where} names the shard file {shown(name)!r}, which is not a format-1 shard name "
+                          f"(model-NNNNN-of-NNNNN.safetensors inside the folder); refusing to read it. The checkpoint "
+                          "was edited or is corrupt: convert it again.")
+    return name
 
 
 def fused_expert_names(prefix: str, proj: str) -> dict[str, str]:
@@ -75,10 +88,10 @@ def read_manifest(path: str | Path) -> dict:
     ``nvfp4-convert convert`` first) or one written by a newer/unknown format.
     """
     file = Path(path) / MANIFEST_FILE
-    if not file.is_file():
+    if file_kind(file) is None:
         raise FormatError(f"{path}: no {MANIFEST_FILE}; this is not a converted checkpoint. "
-                          f"Convert it first with `nvfp4-convert convert SRC {path}`.")
-    manifest = json.loads(file.read_text())
+                          f"Convert it first with `nvfp4-convert convert SRC {path}`.", path=file)
+    manifest = read_json_object(file, "the manifest is corrupt; convert the checkpoint again", FormatError)
     name, version = manifest.get("format"), manifest.get("format_version")
     if name != FORMAT_NAME:
         raise FormatError(f"{file}: format {name!r} is not {FORMAT_NAME!r}")
@@ -86,6 +99,11 @@ def read_manifest(path: str | Path) -> dict:
         raise FormatError(f"{file}: format version {version} is not supported by this version "
                           f"(reads versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade nvfp4-megamoe or "
                           f"re-convert.")
+    for key in ("tensors", "shards"):
+        records = manifest.get(key, {})
+        if not isinstance(records, dict) or not all(isinstance(r, dict) for r in records.values()):
+            raise FormatError(f"{file}: {key!r} must map names to objects; the manifest is corrupt: convert the "
+                              "checkpoint again.", path=file)
     return manifest
 
 

@@ -69,6 +69,7 @@ class HopperBackend(ReferenceBackend):
         self._indexer_ready: set[tuple] = set()
         self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0, "hc_pre": 0}
         self.warmup_seconds: float | None = None
+        self.compiled_at_warmup: int | None = None  # kernels the last warm-up compiled (not found in a cache)
 
     # -- dense NVFP4 linears ------------------------------------------------------------------------------------
     def _linear_ready(self, n: int, k: int, device: torch.device) -> bool:
@@ -206,11 +207,18 @@ class HopperBackend(ReferenceBackend):
         self.kernel_calls["decode_attention"] += 1
         return out.float()
 
-    # -- compile at load ----------------------------------------------------------------------------
-    def warmup(self, model) -> float:
-        """Compile the kernels for this model's shapes by running tiny forwards; returns seconds."""
+    # -- compile at load ----------------------------------------------------------------------------------------
+    def warmup(self, model, processes: int | None = None) -> float:
+        """Compile every kernel this model's shapes can launch, in parallel processes (``cute_host.compile_all``,
+        ``processes`` of them, default the CPU cores), then run tiny forwards so that nothing else is left for a
+        first call to set up; returns seconds. Kernels already in the disk cache are loaded, not compiled."""
+        from nvfp4_megamoe.kernels import cute_host
+
         t0 = time.perf_counter()
         dev = model.device
+        with cute_host.collecting() as jobs:
+            self._warm_shapes(model)
+        self.compiled_at_warmup = cute_host.compile_all(jobs, processes)
         for t in WARMUP_TOKENS:
             model(torch.zeros(1, t, dtype=torch.long, device=dev))
         state = model.new_state(1)
@@ -219,3 +227,39 @@ class HopperBackend(ReferenceBackend):
             torch.cuda.synchronize(dev)
         self.warmup_seconds = time.perf_counter() - t0
         return self.warmup_seconds
+
+    def _warm_shapes(self, model) -> None:
+        """Ask every kernel family for what this model needs (inside ``cute_host.collecting``: nothing compiles)."""
+        from nvfp4_megamoe.kernels import sm90_decode_attention, sm90_indexer, sm90_mhc
+
+        cfg = model.config
+        dev = model.weights.embed.device  # "cuda:0", as the forward's tensors say it (the per-shape caches' keys)
+        layers = model.weights.layers.values()
+        for lw in layers:
+            self._moe_layer(lw.moe, cfg.top_k, cfg.swiglu_limit, dev)
+            a = lw.attn
+            for _, w in _nvfp4_linears(lw):
+                rows = w.weight.shape[0] // cfg.o_groups if w is a.wo_a else w.weight.shape[0]
+                if rows % 128 == 0 or w is not a.wo_a:  # wo_a's groups of whole scale atoms (grouped_linear)
+                    self._linear_ready(rows, 2 * w.weight.shape[1], dev)
+        if isinstance(model.weights.head, Nvfp4Linear):
+            self._linear_ready(model.weights.head.weight.shape[0], 2 * model.weights.head.weight.shape[1], dev)
+        if sm90_mhc.Sm90HcWeights.can_implement(cfg.hc_mult):
+            sm90_mhc.warmup(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, dev)
+        ratios = {lw.attn.compress_ratio for lw in layers}
+        if sm90_decode_attention.Sm90DecodeAttention.can_implement(cfg.num_heads, cfg.head_dim):
+            # CSA and HCA both pass -1-padded indices (HCA: every valid row of its fixed-size store)
+            modes = ("window",) + (("indexed",) if ratios - {0} else ())
+            sm90_decode_attention.warmup(modes, cfg.num_heads, cfg.head_dim ** -0.5, dev)
+        if 4 in ratios:
+            sm90_indexer.warmup(cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, dev)
+
+
+def _nvfp4_linears(lw) -> list[tuple[str, Nvfp4Linear]]:
+    """Every NVFP4 linear of a layer's attention and shared expert (what ``linear`` / ``grouped_linear`` launch)."""
+    a, shared = lw.attn, lw.moe.shared
+    found = [("wq_a", a.wq_a), ("wq_b", a.wq_b), ("wkv", a.wkv), ("wo_a", a.wo_a), ("wo_b", a.wo_b)]
+    if a.indexer is not None:
+        found.append(("indexer.wq_b", a.indexer.wq_b))
+    found += [(name, getattr(shared, name, None)) for name in ("w13", "w1", "w3", "w2")]
+    return [(name, w) for name, w in found if isinstance(w, Nvfp4Linear)]

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nvfp4_megamoe.errors import InputError
+
 from .attention import ChunkAttention, StepAttention
 from .backend import ReferenceBackend
 from .hopper import HopperBackend, hopper_available
@@ -35,6 +37,51 @@ from .weights import LayerWeights, ModelWeights, WeightLoader
 DEFAULT_MAX_CONTEXT = 4096
 
 
+def check_token_ids(ids: torch.Tensor, vocab: int) -> None:
+    """Refuse what the embedding cannot look up, saying so (torch says only ``index out of range in self``,
+    and on a GPU an out-of-range id is a device-side assert that ends the process's CUDA context). Ids on the CPU
+    are read here; ids already on the GPU are checked by :class:`_DeviceIdCheck` instead (no host sync)."""
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise InputError(f"input_ids must hold integer token ids, got dtype {ids.dtype}")
+    if not ids.numel() or ids.is_cuda:
+        return
+    lo, hi = (int(v) for v in torch.aminmax(ids))
+    if lo < 0 or hi >= vocab:
+        where = ((ids < 0) | (ids >= vocab)).nonzero()[0].tolist()
+        raise InputError(f"token ids must lie in [0, {vocab}) (the model's vocab_size); input_ids{where} is "
+                         f"{int(ids[tuple(where)])} (min {lo}, max {hi})")
+
+
+class _DeviceIdCheck:
+    """Token ids that are already on the GPU (sampled there, say), checked without reading them back, which would
+    stall the host in every decode step: out-of-range ids are clamped (so nothing reads out of bounds), a flag on the
+    GPU records them, is copied to pinned host memory behind the step, and the first call after that copy has
+    landed raises :class:`~nvfp4_megamoe.errors.InputError` (the earlier call's logits were not the model's)."""
+
+    def __init__(self, vocab: int, device: torch.device):
+        self.vocab = vocab
+        self.flag = torch.zeros((), dtype=torch.bool, device=device)
+        self.seen = torch.zeros((), dtype=torch.bool).pin_memory()
+        self.copied: torch.cuda.Event | None = None
+
+    def raise_if_flagged(self) -> None:
+        if self.copied is not None and self.copied.query() and bool(self.seen):
+            self.seen.zero_()
+            self.flag.zero_()
+            self.copied = None
+            raise InputError(f"a token id given on the GPU to an earlier call was outside [0, {self.vocab}) (the "
+                             "model's vocab_size); that call's logits are not the model's (ids on the CPU are checked "
+                             "before the call)")
+
+    def clamp(self, ids: torch.Tensor) -> torch.Tensor:
+        bad = (ids < 0) | (ids >= self.vocab)
+        self.flag.logical_or_(bad.any())
+        self.seen.copy_(self.flag, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return ids.clamp(0, self.vocab - 1)
+
+
 class Model:
     """A loaded DeepSeek-V4 model. ``model(input_ids)`` -> float32 logits [B, T, V]."""
 
@@ -48,6 +95,7 @@ class Model:
         # decode steps replay from one CUDA graph per state (load_model sets this on the Hopper kernels
         # path; None: every op eager)
         self.decode_graphs: DecodeGraphs | None = None
+        self._id_check: _DeviceIdCheck | None = None  # for token ids handed over on the GPU
         self._freq_main = inv_freq(config.main_rope).to(self.device)
         self._freq_compress = inv_freq(config.compress_rope).to(self.device)
 
@@ -113,6 +161,12 @@ class Model:
         continues slot b from its own position."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        check_token_ids(input_ids, self.config.vocab_size)
+        if input_ids.is_cuda:
+            if self._id_check is None:
+                self._id_check = _DeviceIdCheck(self.config.vocab_size, input_ids.device)
+            self._id_check.raise_if_flagged()
+            input_ids = self._id_check.clamp(input_ids)
         input_ids = input_ids.to(self.device)
         b, t = input_ids.shape
         if t == 0:

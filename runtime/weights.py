@@ -11,6 +11,11 @@ Which kind a linear ``X`` is follows from the names present (docs/format.md):
 * ``X.weight`` U8 + ``X.weight_scale`` + ``X.alpha``  -> :class:`Nvfp4Linear`
 * ``X.weight`` F8_E4M3 + ``X.scale`` (E8M0 or F32)    -> :class:`Fp8Linear`
 * ``X.weight`` BF16/F32                               -> :class:`DenseLinear`
+
+Every tensor is checked before it is used: its dtype and shape against the format and config.json
+(the table of ``runtime/expected.py``, which the converter checks sources against too), every alpha
+finite and positive, every ``tid2eid`` entry an expert index. A checkpoint that disagrees is refused
+with a :class:`FormatError` naming the tensor, not run into a wrong answer or a deep torch error.
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nvfp4_megamoe.errors import shown
 from nvfp4_megamoe.kernels.nvfp4 import BLOCK
+from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
+
 from .checkpoint import Checkpoint
 from .config import ModelConfig
-from .format import FormatError, fp8_linear_names, fused_expert_names, has_row_tiles, nvfp4_linear_names
+from .expected import FLOAT, FP8_SCALES, fp8_scale_shape, model_tensors
+from .format import FormatError, alpha_shape, fp8_linear_names, fused_expert_names, has_row_tiles, nvfp4_linear_names
 
 
 @dataclass
@@ -161,49 +170,80 @@ class ModelWeights:
 
 
 class WeightLoader:
-    """Builds the typed weights from a :class:`Checkpoint` onto ``device``."""
+    """Builds the typed weights from a :class:`Checkpoint` onto ``device``, checking each tensor first."""
 
     def __init__(self, ckpt: Checkpoint, config: ModelConfig, device: torch.device | str = "cpu"):
         self.ckpt, self.config, self.device = ckpt, config, torch.device(device)
+        self.expected = model_tensors(config)
 
     def tensor(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self.ckpt.read(name, rows).to(self.device)
 
-    def linear(self, prefix: str) -> Linear:
+    def check(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> None:
+        """Refuse ``name`` unless it is stored as one of ``dtypes`` with exactly ``shape``."""
+        dtype, got = self.ckpt.dtype(name), tuple(self.ckpt.shape(name))
+        if dtype not in dtypes or got != tuple(shape):
+            raise FormatError(f"{self.ckpt.path}: {shown(name)} is {dtype} {list(got)}; the format and config.json "
+                              f"imply {'/'.join(dtypes)} {list(shape)}. The checkpoint does not match its config.json: "
+                              "convert the source again.", path=self.ckpt.path, tensor=name)
+
+    def stored(self, name: str) -> torch.Tensor:
+        """A tensor stored as it is in the source (norms, mHC, sinks, compressors, router, embedding, head)."""
+        spec = self.expected.tensors[name]
+        self.check(name, spec.dtypes, spec.shape)
+        t = self.tensor(name)
+        if spec.index_limit is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= spec.index_limit):
+            raise FormatError(f"{self.ckpt.path}: {shown(name)} holds expert indices outside [0, {spec.index_limit}) "
+                              f"(min {int(t.min())}, max {int(t.max())}); convert the source again.",
+                              path=self.ckpt.path, tensor=name)
+        return t
+
+    def alphas(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """An NVFP4 global scale tensor, float32, every value finite and positive."""
+        a = self.tensor(name, rows).float()
+        bad = ~(torch.isfinite(a) & (a > 0))
+        if bool(bad.any()):
+            raise FormatError(f"{self.ckpt.path}: {shown(name)} holds {int(bad.sum())} alphas that are not finite and "
+                              f"positive (first {a.reshape(-1)[bad.reshape(-1)][0].item()!r}); the checkpoint is "
+                              "corrupt: convert the source again.", path=self.ckpt.path, tensor=name)
+        return a
+
+    def linear(self, prefix: str, shape: tuple[int, int] | None = None) -> Linear:
+        """Linear ``prefix`` of logical ``shape`` [out, in] (the table's when None), in whichever form it is stored."""
         ck = self.ckpt
+        out, inp = shape if shape is not None else self.expected.linears[prefix]
         nv, fp8 = nvfp4_linear_names(prefix), fp8_linear_names(prefix)
         if nv["alpha"] in ck and nv["weight_scale"] in ck:
-            lin = Nvfp4Linear(self.tensor(nv["weight"]), self.tensor(nv["weight_scale"]), self.tensor(nv["alpha"]).float())
-            if lin.weight.dtype != torch.uint8:
-                raise FormatError(f"{nv['weight']}: NVFP4 codes must be U8, got {lin.weight.dtype}")
-            return lin
+            self.check(nv["weight"], ("U8",), (out, inp // 2))
+            self.check(nv["weight_scale"], ("U8",), (swizzled_nbytes(out, inp // BLOCK),))
+            self.check(nv["alpha"], ("F32",), alpha_shape(prefix, ()))
+            return Nvfp4Linear(self.tensor(nv["weight"]), self.tensor(nv["weight_scale"]), self.alphas(nv["alpha"]))
         if fp8["scale"] in ck:
+            self.check(fp8["weight"], ("F8_E4M3",), (out, inp))
+            self.check(fp8["scale"], FP8_SCALES, fp8_scale_shape(out, inp))
             return Fp8Linear(self.tensor(fp8["weight"]), self.tensor(fp8["scale"]))
-        weight = self.tensor(f"{prefix}.weight")
-        if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise FormatError(f"{prefix}.weight: {weight.dtype} with no scale tensor next to it; "
-                              f"expected .scale (FP8) or .weight_scale + .alpha (NVFP4)")
-        return DenseLinear(weight)
+        self.check(f"{prefix}.weight", FLOAT, (out, inp))
+        return DenseLinear(self.tensor(f"{prefix}.weight"))
 
     def hc(self, fn: str, base: str, scale: str) -> HcWeights:
-        return HcWeights(self.tensor(fn).float(), self.tensor(base).float(), self.tensor(scale).float())
+        return HcWeights(self.stored(fn).float(), self.stored(base).float(), self.stored(scale).float())
 
     def compressor(self, prefix: str) -> CompressorWeights:
-        return CompressorWeights(DenseLinear(self.tensor(f"{prefix}.wkv.weight")),
-                                 DenseLinear(self.tensor(f"{prefix}.wgate.weight")),
-                                 self.tensor(f"{prefix}.ape").float(), self.tensor(f"{prefix}.norm.weight"))
+        return CompressorWeights(DenseLinear(self.stored(f"{prefix}.wkv.weight")),
+                                 DenseLinear(self.stored(f"{prefix}.wgate.weight")),
+                                 self.stored(f"{prefix}.ape").float(), self.stored(f"{prefix}.norm.weight"))
 
     def attention(self, p: str, ratio: int) -> AttentionWeights:
         attn = AttentionWeights(
-            wq_a=self.linear(f"{p}.wq_a"), q_norm=self.tensor(f"{p}.q_norm.weight"), wq_b=self.linear(f"{p}.wq_b"),
-            wkv=self.linear(f"{p}.wkv"), kv_norm=self.tensor(f"{p}.kv_norm.weight"),
+            wq_a=self.linear(f"{p}.wq_a"), q_norm=self.stored(f"{p}.q_norm.weight"), wq_b=self.linear(f"{p}.wq_b"),
+            wkv=self.linear(f"{p}.wkv"), kv_norm=self.stored(f"{p}.kv_norm.weight"),
             wo_a=self.linear(f"{p}.wo_a"), wo_b=self.linear(f"{p}.wo_b"),
-            sink=self.tensor(f"{p}.attn_sink").float(), compress_ratio=ratio)
+            sink=self.stored(f"{p}.attn_sink").float(), compress_ratio=ratio)
         if ratio:
             attn.compressor = self.compressor(f"{p}.compressor")
         if ratio == 4:
             attn.indexer = IndexerWeights(self.linear(f"{p}.indexer.wq_b"),
-                                          DenseLinear(self.tensor(f"{p}.indexer.weights_proj.weight")),
+                                          DenseLinear(self.stored(f"{p}.indexer.weights_proj.weight")),
                                           self.compressor(f"{p}.indexer.compressor"))
         return attn
 
@@ -224,34 +264,38 @@ class WeightLoader:
         if tiled[0] != tiled[1]:
             raise FormatError(f"{ck.path}: the manifest has {w13['weight']} {'in' if tiled[0] else 'not in'} row tiles "
                               f"but {w2['weight']} {'in' if tiled[1] else 'not in'}; re-convert the checkpoint")
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        if h % BLOCK or i % BLOCK:
+            raise FormatError(f"{ck.path}: config.json's hidden_size {h} and moe_intermediate_size {i} must be "
+                              f"multiples of {BLOCK} for NVFP4 experts")
+        shared_rows = self.expected.linears[f"{p}.shared_experts.w1"][0]
         if f"{p}.shared_experts.w13.weight" in ck:
             shared = SharedExpertWeights(w2=self.linear(f"{p}.shared_experts.w2"),
-                                         w13=self.linear(f"{p}.shared_experts.w13"))
+                                         w13=self.linear(f"{p}.shared_experts.w13", (2 * shared_rows, h)))
         else:
             shared = SharedExpertWeights(w2=self.linear(f"{p}.shared_experts.w2"),
                                          w1=self.linear(f"{p}.shared_experts.w1"),
                                          w3=self.linear(f"{p}.shared_experts.w3"))
+        for names, (out_rows, in_cols) in ((w13, (2 * i, h)), (w2, (h, i))):
+            self.check(names["weight"], ("U8",), (n, out_rows, in_cols // 2))
+            self.check(names["weight_scale"], ("U8",), (n, swizzled_nbytes(out_rows, in_cols // BLOCK)))
+            self.check(names["alpha"], ("F32",), alpha_shape(names["alpha"][: -len(".alpha")], (n,)))
+        hashed = f"{p}.gate.tid2eid" in self.expected.tensors
         weights = MoEWeights(
-            gate=DenseLinear(self.tensor(f"{p}.gate.weight")),
-            bias=self.tensor(f"{p}.gate.bias").float() if f"{p}.gate.bias" in ck else None,
-            tid2eid=self.tensor(f"{p}.gate.tid2eid") if f"{p}.gate.tid2eid" in ck else None,
+            gate=DenseLinear(self.stored(f"{p}.gate.weight")),
+            bias=None if hashed else self.stored(f"{p}.gate.bias").float(),
+            tid2eid=self.stored(f"{p}.gate.tid2eid") if hashed else None,
             w13=self.tensor(w13["weight"], rows), w13_scale=self.tensor(w13["weight_scale"], rows),
-            w13_alpha=self.tensor(w13["alpha"], rows).float(),
+            w13_alpha=self.alphas(w13["alpha"], rows),
             w2=self.tensor(w2["weight"], rows), w2_scale=self.tensor(w2["weight_scale"], rows),
-            w2_alpha=self.tensor(w2["alpha"], rows).float(),
+            w2_alpha=self.alphas(w2["alpha"], rows),
             expert_range=(start, stop), n_experts=n, shared=shared, row_tiles=tiled[0])
-        h, i = cfg.hidden_size, cfg.moe_intermediate_size
-        want13, want2 = (stop - start, 2 * i, h // 2), (stop - start, h, i // 2)
-        if tuple(weights.w13.shape) != want13 or tuple(weights.w2.shape) != want2:
-            raise FormatError(f"{p}.experts: w13 {tuple(weights.w13.shape)} / w2 {tuple(weights.w2.shape)} "
-                              f"do not match the config (expected {want13} / {want2})")
-        assert h % BLOCK == 0 and i % BLOCK == 0
         return weights
 
     def layer(self, i: int, experts: tuple[int, int] | None) -> LayerWeights:
         p = f"layers.{i}"
         return LayerWeights(
-            index=i, attn_norm=self.tensor(f"{p}.attn_norm.weight"), ffn_norm=self.tensor(f"{p}.ffn_norm.weight"),
+            index=i, attn_norm=self.stored(f"{p}.attn_norm.weight"), ffn_norm=self.stored(f"{p}.ffn_norm.weight"),
             hc_attn=self.hc(f"{p}.hc_attn_fn", f"{p}.hc_attn_base", f"{p}.hc_attn_scale"),
             hc_ffn=self.hc(f"{p}.hc_ffn_fn", f"{p}.hc_ffn_base", f"{p}.hc_ffn_scale"),
             attn=self.attention(f"{p}.attn", self.config.compress_ratios[i]),
@@ -263,8 +307,8 @@ class WeightLoader:
         bad = [i for i in chosen if not 0 <= i < n]
         if bad:
             raise ValueError(f"layers {bad} outside [0, {n})")
-        weights = ModelWeights(embed=self.tensor("embed.weight"), head=DenseLinear(self.tensor("head.weight")),
-                               norm=self.tensor("norm.weight"),
+        weights = ModelWeights(embed=self.stored("embed.weight"), head=DenseLinear(self.stored("head.weight")),
+                               norm=self.stored("norm.weight"),
                                hc_head=self.hc("hc_head_fn", "hc_head_base", "hc_head_scale"))
         for i in chosen:
             weights.layers[i] = self.layer(i, experts)

@@ -1,7 +1,8 @@
-"""Session-wide test settings."""
+"""Session-wide test settings and the fixtures every module shares."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 # Every CuTeDSL kernel here targets sm_90a, and CuTeDSL fixes its target when first imported: set it before any test
@@ -12,6 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from nvfp4_megamoe.kernels.cute_host import CACHE_ENV  # noqa: E402
+from synth_checkpoints import SynthCheckpoints  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -35,3 +37,35 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def synth_checkpoints(tmp_path_factory) -> SynthCheckpoints:
+    """Synthetic checkpoints and conversions, each (variant, options) built once per session and shared
+    read-only (``tests/synth_checkpoints.py``): ``synth_checkpoints.source("flash")``,
+    ``synth_checkpoints.converted("modelopt", dense="keep")``; copy one with ``writable_copy`` to change it."""
+    return SynthCheckpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+@functools.cache
+def _no_hopper_gpu() -> str | None:
+    """Why the ``gpu`` tests cannot run here, or None where they can."""
+    from nvfp4_megamoe.runtime.hopper import hopper_available
+
+    if hopper_available("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        return "marked gpu: needs an sm_90 CUDA GPU and CuTeDSL; torch sees no CUDA device"
+    found = torch.cuda.get_device_capability()
+    if found != (9, 0):
+        return f"marked gpu: needs an sm_90 CUDA GPU and CuTeDSL; the GPU is sm_{found[0]}{found[1]}"
+    return "marked gpu: needs an sm_90 CUDA GPU and CuTeDSL; nvidia-cutlass-dsl (cutlass) is not importable"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The one GPU skip: a test marked ``gpu`` runs only on an sm_90 GPU with CuTeDSL
+    (``runtime.hopper.hopper_available``), and says why it did not run elsewhere."""
+    if item.get_closest_marker("gpu") is not None:
+        reason = _no_hopper_gpu()
+        if reason is not None:
+            pytest.skip(reason)

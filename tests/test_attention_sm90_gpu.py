@@ -14,10 +14,9 @@ import torch
 from nvfp4_megamoe.kernels.decode_attention_reference import decode_attention_reference
 from nvfp4_megamoe.kernels.indexer_reference import indexer_scores, select_topk
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_90a)"),
-]
+from numeric import rel_err
+
+pytestmark = pytest.mark.gpu  # tests/conftest.py skips it without an sm_90 GPU
 
 SCALE = 512 ** -0.5
 
@@ -45,10 +44,6 @@ def make_case(b: int, h: int, n: int, k: int | None, mode: str, seed: int, w: in
             idx[1, 1] = idx[1, 0] if idx[1, 0] >= 0 else idx[1, 1]  # a repeated entry counts twice
     sink = torch.randn(h, device=dev, generator=gen) * 2
     return q, kvw, wlen, kvc, idx, sink
-
-
-def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 CASES = [  # b, h, n (compressed entries), k (indices), mode, splits (None: heuristic)
@@ -82,7 +77,7 @@ def check_against_reference(b: int, h: int, n: int, k: int | None, mode: str, se
     decode_attention(q, kvw, wlen, kvc, idx, sink, SCALE, out=out, **options)
     torch.cuda.synchronize()
     assert not out.isnan().any(), "unwritten (NaN-poisoned) outputs remain"
-    err = relerr(out, ref)
+    err = rel_err(out, ref)
     assert err < 1e-2, f"relative error {err:.3e}"
 
 
@@ -131,7 +126,7 @@ def test_graph_capture_replays():
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert relerr(out, decode_attention_reference(q, kvw, wlen, kvc, idx, sink, SCALE)) < 1e-2
+    assert rel_err(out, decode_attention_reference(q, kvw, wlen, kvc, idx, sink, SCALE)) < 1e-2
 
 
 @pytest.mark.parametrize("b,n,k", [(4, 1024, 512), (2, 5000, 1024), (3, 300, 512)])
@@ -176,7 +171,7 @@ def test_indexer_scores_kernel_matches_float32_reference(b, h, d, n, short):
     visible = torch.ones(b, n, dtype=torch.bool, device="cuda") if nv is None else \
         torch.arange(n, device="cuda")[None] < nv[:, None]
     assert bool(torch.isneginf(got[~visible]).all()) and bool(torch.isfinite(got[visible]).all())
-    assert relerr(got[visible], want[visible]) < 1e-5
+    assert rel_err(got[visible], want[visible]) < 1e-5
 
 
 def test_indexer_kernel_ties_pick_lower_index():

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import resource
-import shutil
 import signal
 import struct
 import subprocess
@@ -26,23 +25,20 @@ from nvfp4_megamoe.convert.cli import main
 from nvfp4_megamoe.convert.safetensors_header import read_header
 from nvfp4_megamoe.convert.errors import SourceError
 from nvfp4_megamoe.convert.source import check_values
-from nvfp4_megamoe.convert.synth import write_synthetic
+
+from synth_checkpoints import writable_copy
 
 INDEX = "model.safetensors.index.json"
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("bad")
-    return {"flash": write_synthetic(root / "flash", preset="tiny", variant="flash"),
-            "base": write_synthetic(root / "base", preset="tiny", variant="base")}
+def pristine(synth_checkpoints) -> dict[str, Path]:
+    return {"flash": synth_checkpoints.source("flash"), "base": synth_checkpoints.source("base")}
 
 
 @pytest.fixture
 def src(pristine, tmp_path) -> Path:
-    path = tmp_path / "src"
-    shutil.copytree(pristine["flash"], path)
-    return path
+    return writable_copy(pristine["flash"], tmp_path / "src")
 
 
 def _tree_hash(root: Path) -> dict[str, str]:
@@ -137,8 +133,7 @@ def test_dtype_contradicting_the_format(src, tmp_path):
     ("base", "layers.2.attn.wq_a.scale", struct.pack("<f", float("inf")), "NaN/Inf"),
 ])
 def test_nan_and_inf_found_while_converting(pristine, tmp_path, variant, tensor, data, what):
-    src = tmp_path / "src"
-    shutil.copytree(pristine[variant], src)
+    src = writable_copy(pristine[variant], tmp_path / "src")
     shard = _poke(src, tensor, data, at=4)
     out = tmp_path / "out"
     _refused(src, out, tensor, what, shard.name, "expected finite values")

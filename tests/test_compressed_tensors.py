@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,10 @@ from safetensors.torch import load_file, save_file
 from nvfp4_megamoe.convert.api import convert_checkpoint
 from nvfp4_megamoe.convert.cli import main
 from nvfp4_megamoe.convert.inspect import inspect_checkpoint
-from nvfp4_megamoe.convert.synth import synthetic_config, write_synthetic
+from nvfp4_megamoe.convert.synth import synthetic_config
 from nvfp4_megamoe.convert.verify import verify_checkpoint
 
+from synth_checkpoints import writable_copy
 from test_convert import Checkpoint, assert_mxfp4_scales_exact, e4m3, routed_expert_parts
 from test_verify import _named, _poke, _where
 
@@ -33,12 +33,11 @@ def _reciprocal_f32(x: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def ct(tmp_path_factory) -> tuple[Checkpoint, Checkpoint, dict, Path]:
-    root = tmp_path_factory.mktemp("ct")
-    src = write_synthetic(root / "src", preset="tiny", variant="ct", seed=3)
-    convert_checkpoint(src, root / "out", progress=False)
-    manifest = json.loads((root / "out" / "nvfp4_manifest.json").read_text())
-    return Checkpoint(src), Checkpoint(root / "out"), manifest, root
+def ct(synth_checkpoints) -> tuple[Checkpoint, Checkpoint, dict, Path]:
+    """Source, conversion, its manifest, and the conversion's folder (shared, read-only)."""
+    src, out = synth_checkpoints.converted("ct")
+    manifest = json.loads((out / "nvfp4_manifest.json").read_text())
+    return Checkpoint(src), Checkpoint(out), manifest, out
 
 
 def test_source_is_compressed_tensors_shaped(ct):
@@ -124,21 +123,20 @@ def test_inspect_and_cli_know_the_variant(ct, tmp_path):
 
 
 def test_verify_passes_and_catches_a_flipped_byte(ct, tmp_path):
-    _, _, _, root = ct
-    rep = verify_checkpoint(root / "out", progress=False)
+    _, _, _, converted = ct
+    rep = verify_checkpoint(converted, progress=False)
     assert rep.ok, [str(f) for f in rep.failures]
     assert rep.round_trip
     t = rep.tensors["layers.1.ffn.experts.w13.weight"]
     assert t.kind == "lossy" and t.source_format == "ct_nvfp4"
     assert rep.tensors["layers.1.ffn.experts.w2.input_global_scale"].checked == "round trip"
-    res = CliRunner().invoke(main, ["verify", "--no-progress", str(root / "out")])
+    res = CliRunner().invoke(main, ["verify", "--no-progress", str(converted)])
     assert res.exit_code == 0, res.output
     for tensor, where in (("layers.1.ffn.experts.w13.weight", "middle"),
                           ("layers.2.ffn.experts.w2.weight_scale", "first"),
                           ("layers.1.ffn.experts.w13.alpha", "first"),
                           ("layers.1.ffn.experts.w13.input_global_scale", "first")):
-        out = tmp_path / tensor
-        shutil.copytree(root / "out", out)
+        out = writable_copy(converted, tmp_path / tensor)
         shard, start, nbytes = _where(out, tensor)
         _poke(shard, start + (nbytes // 2 if where == "middle" else 0))
         rep = verify_checkpoint(out, fast=True, progress=False)
@@ -147,9 +145,9 @@ def test_verify_passes_and_catches_a_flipped_byte(ct, tmp_path):
         assert res.exit_code != 0 and tensor in res.output
 
 
-def test_power_of_two_global_scales_are_lossless(tmp_path):
+def test_power_of_two_global_scales_are_lossless(synth_checkpoints, tmp_path):
     """With every weight_global_scale a power of two, 1/gs is exact: the path is bit-exact and verify agrees."""
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="ct", seed=5)
+    src = writable_copy(synth_checkpoints.source("ct"), tmp_path / "src")
     for f in sorted(src.glob("model-*.safetensors")):
         tensors = load_file(f)
         changed = False
@@ -172,8 +170,8 @@ def test_power_of_two_global_scales_are_lossless(tmp_path):
     assert rep.tensors["layers.1.ffn.experts.w13.weight"].kind == "lossless"
 
 
-def test_missing_global_scale_is_refused(tmp_path):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="ct", seed=0)
+def test_missing_global_scale_is_refused(synth_checkpoints, tmp_path):
+    src = writable_copy(synth_checkpoints.source("ct"), tmp_path / "src")
     idx = json.loads((src / "model.safetensors.index.json").read_text())
     gone = "layers.2.ffn.experts.4.w3.weight_global_scale"
     f = src / idx["weight_map"].pop(gone)

@@ -20,7 +20,9 @@ from nvfp4_megamoe.convert.api import convert_checkpoint
 from nvfp4_megamoe.convert.cli import main
 from nvfp4_megamoe.convert.errors import OutputError, PlanError
 from nvfp4_megamoe.convert.inspect import inspect_checkpoint
-from nvfp4_megamoe.convert.synth import write_synthetic
+
+from numeric import rel_err
+from synth_checkpoints import writable_copy
 
 VARIANTS = ("flash", "pro", "base", "modelopt")
 
@@ -65,15 +67,16 @@ def e8m0(b: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones(b.shape, dtype=torch.float64), exponent)  # exact powers of two
 
 
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "nvfp4_manifest.json").read_text())
+
+
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> dict[str, tuple[Checkpoint, Checkpoint, dict]]:
+def converted(synth_checkpoints) -> dict[str, tuple[Checkpoint, Checkpoint, dict]]:
     out = {}
     for variant in VARIANTS:
-        root = tmp_path_factory.mktemp(variant)
-        src = write_synthetic(root / "src", preset="tiny", variant=variant, seed=7)
-        convert_checkpoint(src, root / "out", progress=False)
-        manifest = json.loads((root / "out" / "nvfp4_manifest.json").read_text())
-        out[variant] = (Checkpoint(src), Checkpoint(root / "out"), manifest)
+        src, conv = synth_checkpoints.converted(variant)
+        out[variant] = (Checkpoint(src), Checkpoint(conv), _manifest(conv))
     return out
 
 
@@ -170,43 +173,40 @@ def test_dense_fp8_requantized_with_measured_error(converted):
     grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
     codes = torch.stack((packed & 15, packed >> 4), -1).reshape(packed.shape[0], -1).long()
     deq = (grid[codes].reshape(packed.shape[0], -1, 16) * scales.unsqueeze(-1)).reshape(ref.shape) * alpha
-    rel = float((deq - ref).norm() / ref.norm())
-    assert rel == pytest.approx(entry["error"]["rel_fro"], rel=1e-3)
+    assert rel_err(deq, ref) == pytest.approx(entry["error"]["rel_fro"], rel=1e-3)
     shared = out.get("layers.0.ffn.shared_experts.w13.weight")
     assert shared.shape[0] == 2 * src.get("layers.0.ffn.shared_experts.w1.weight").shape[0]
 
 
-def test_dense_keep_passes_fp8_through(tmp_path):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
-    convert_checkpoint(src, tmp_path / "out", dense="keep", progress=False)
-    s, o = Checkpoint(src), Checkpoint(tmp_path / "out")
+def test_dense_keep_passes_fp8_through(synth_checkpoints):
+    src, out = synth_checkpoints.converted("flash", dense="keep")
+    s, o = Checkpoint(src), Checkpoint(out)
     for name in ("layers.0.attn.wq_a.weight", "layers.0.attn.wq_a.scale", "layers.0.ffn.shared_experts.w1.weight"):
         assert torch.equal(s.get(name).view(torch.uint8), o.get(name).view(torch.uint8))
     assert "layers.0.ffn.experts.w13.weight" in o.names()
     assert not any(n.startswith("layers.0.ffn.shared_experts.w13") for n in o.names())
 
 
-def test_out_of_range_blocks_are_counted_and_measured(tmp_path):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash", out_of_range_blocks=3)
-    r = convert_checkpoint(src, tmp_path / "out", progress=False)
-    entry = r.manifest["tensors"]["layers.0.ffn.experts.w13.weight"]
+def test_out_of_range_blocks_are_counted_and_measured(synth_checkpoints):
+    manifest = _manifest(synth_checkpoints.converted("flash", synth={"out_of_range_blocks": 3}).output)
+    entry = manifest["tensors"]["layers.0.ffn.experts.w13.weight"]
     assert entry["inexact_blocks"] == 3 and entry["lossless"] is False
     assert 0 < entry["error"]["rel_fro"] < 1e-2
-    assert r.manifest["tensors"]["layers.0.ffn.experts.w2.weight"]["lossless"] is True
+    assert manifest["tensors"]["layers.0.ffn.experts.w2.weight"]["lossless"] is True
 
 
-def test_small_shard_size_splits_output(tmp_path):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
-    r = convert_checkpoint(src, tmp_path / "out", shard_size=500_000, progress=False)
-    assert len(r.manifest["shards"]) > 3
-    for f, info in r.manifest["shards"].items():
-        assert info["size"] == (tmp_path / "out" / f).stat().st_size
+def test_small_shard_size_splits_output(synth_checkpoints):
+    _, out = synth_checkpoints.converted("flash", shard_size=500_000)
+    manifest = _manifest(out)
+    assert len(manifest["shards"]) > 3
+    for f, info in manifest["shards"].items():
+        assert info["size"] == (out / f).stat().st_size
         assert info["size"] <= 500_000 or len(info["tensors"]) == 1
 
 
-def test_conversion_is_deterministic(tmp_path):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="modelopt")
-    a = convert_checkpoint(src, tmp_path / "a", progress=False).manifest["shards"]
+def test_conversion_is_deterministic(synth_checkpoints, tmp_path):
+    src, first = synth_checkpoints.converted("modelopt")
+    a = _manifest(first)["shards"]
     b = convert_checkpoint(src, tmp_path / "b", progress=False).manifest["shards"]
     assert {k: v["sha256"] for k, v in a.items()} == {k: v["sha256"] for k, v in b.items()}
 
@@ -238,8 +238,8 @@ def _assert_nothing_written(out: Path) -> None:
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_unknown_tensor_is_refused_before_writing(tmp_path):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
+def test_unknown_tensor_is_refused_before_writing(synth_checkpoints, tmp_path):
+    src = writable_copy(synth_checkpoints.source("flash"), tmp_path / "src")
     _add_tensor(src, "layers.0.attn.mystery_proj.weight", torch.randn(4, 4))
     _add_tensor(src, "layers.1.ffn.experts.0.w1.bias", torch.randn(4))
     with pytest.raises(PlanError) as info:
@@ -253,8 +253,8 @@ def test_unknown_tensor_is_refused_before_writing(tmp_path):
     _assert_nothing_written(tmp_path / "out2")
 
 
-def test_missing_siblings_and_experts_are_all_listed(tmp_path):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
+def test_missing_siblings_and_experts_are_all_listed(synth_checkpoints, tmp_path):
+    src = writable_copy(synth_checkpoints.source("flash"), tmp_path / "src")
     _remove_tensors(src, ["layers.0.ffn.experts.1.w1.scale",          # weight without scale
                           "layers.1.ffn.experts.2.w3.weight", "layers.1.ffn.experts.2.w3.scale",  # w1 without w3
                           "layers.0.attn.wq_a.scale"])                 # dense weight without scale
@@ -270,8 +270,8 @@ def test_missing_siblings_and_experts_are_all_listed(tmp_path):
     ("layers.2.ffn.experts.", r"layers\.2\.ffn\.experts"),                     # a layer without experts
     ("layers.1.ffn.experts.3.", r"layers\.1\.ffn\.experts\.3\.w1\.weight"),  # one expert missing
 ])
-def test_missing_experts_are_refused(tmp_path, removed, named):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
+def test_missing_experts_are_refused(synth_checkpoints, tmp_path, removed, named):
+    src = writable_copy(synth_checkpoints.source("flash"), tmp_path / "src")
     index = json.loads((src / "model.safetensors.index.json").read_text())
     _remove_tensors(src, [n for n in index["weight_map"] if n.startswith(removed)])
     with pytest.raises(PlanError, match=named):
@@ -279,8 +279,8 @@ def test_missing_experts_are_refused(tmp_path, removed, named):
     _assert_nothing_written(tmp_path / "out")
 
 
-def test_dry_run_prints_plan_and_writes_nothing(tmp_path):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="modelopt")
+def test_dry_run_prints_plan_and_writes_nothing(synth_checkpoints, tmp_path):
+    src = synth_checkpoints.source("modelopt")
     result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--dry-run"])
     assert result.exit_code == 0, result.output
     assert "routed.nvfp4.weight" in result.output and "routed.mxfp4.weight" in result.output
@@ -288,8 +288,8 @@ def test_dry_run_prints_plan_and_writes_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_existing_conversion_is_not_overwritten(tmp_path):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
+def test_existing_conversion_is_not_overwritten(synth_checkpoints, tmp_path):
+    src = synth_checkpoints.source("flash")
     convert_checkpoint(src, tmp_path / "out", progress=False)
     before = (tmp_path / "out" / "nvfp4_manifest.json").read_bytes()
     with pytest.raises(OutputError, match="already holds"):
@@ -298,8 +298,8 @@ def test_existing_conversion_is_not_overwritten(tmp_path):
 
 
 @pytest.mark.parametrize("variant,words", [("flash", "official"), ("base", "Base"), ("modelopt", "ModelOpt")])
-def test_inspect_detects_variant(tmp_path, variant, words):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant=variant)
+def test_inspect_detects_variant(synth_checkpoints, variant, words):
+    src = synth_checkpoints.source(variant)
     assert words in inspect_checkpoint(src)["variant"]
     result = CliRunner().invoke(main, ["inspect", str(src)])
     assert result.exit_code == 0 and words in result.output

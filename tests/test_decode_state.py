@@ -11,9 +11,10 @@ import gc
 import pytest
 import torch
 
-from nvfp4_megamoe.convert.api import convert_checkpoint
-from nvfp4_megamoe.convert.synth import write_synthetic
 from nvfp4_megamoe.runtime import load_model
+from nvfp4_megamoe.runtime import model as model_module
+
+from numeric import rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -23,16 +24,9 @@ STEPS = 12                    # slot 1 crosses position 40 (a CSA window), slot 
 REFILL, MORE = 61, 9          # slot 1 takes a new prompt while 0 and 2 go on
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("decode_state")
-    src = write_synthetic(root / "src", preset="tiny", variant="flash", seed=0)
-    convert_checkpoint(src, root / "out", dense="keep", progress=False)
-    return load_model(root / "out")
+def model(synth_checkpoints):
+    return load_model(synth_checkpoints.converted("flash", dense="keep").output)
 
 
 def tokens(model, seed: int, n: int) -> torch.Tensor:
@@ -69,9 +63,9 @@ def test_ragged_batch_decodes_each_sequence_as_alone_and_refills_a_slot(model):
     errs = []
     for s in range(3):
         first, want = alone(model, prompts[s], steps[s, :STEPS] if s == 1 else steps[s], ctx)
-        errs += [rel(firsts[s], first), rel(got[s, :want.shape[0]], want)]
+        errs += [rel_err(firsts[s], first), rel_err(got[s, :want.shape[0]], want)]
     first, want = alone(model, refill, steps[1, STEPS:], ctx)
-    errs += [rel(refill_first, first), rel(got[1, STEPS:], want)]
+    errs += [rel_err(refill_first, first), rel_err(got[1, STEPS:], want)]
     print("ragged vs alone, rel err per (prefill, steps):", [f"{e:.1e}" for e in errs])
     assert max(errs) < 2e-6, errs
 
@@ -85,7 +79,7 @@ def test_a_chunk_over_slots_at_different_positions_runs_each_from_its_own(model)
     got = model(more, state)
     for s, p in enumerate((a, b)):
         want = model(torch.cat((p, more[s]))[None])[0, -7:]
-        assert rel(got[s], want) < 2e-6
+        assert rel_err(got[s], want) < 2e-6
 
 
 def test_the_state_is_allocated_once_and_never_moves(model):
@@ -184,11 +178,13 @@ def test_a_step_reads_no_device_value_and_takes_no_shape_from_one(model, monkeyp
     """The step's code path (all layers and the head) under a guard that refuses every host read of a tensor
     value, over steps that emit CSA entries and close an HCA window for one slot but not the other. Exempt: the
     reference routed-MoE op, which groups tokens by expert on the host (the GPU backend's MoE kernel reads its
-    routing on the device and is captured by the GPU tests)."""
+    routing on the device and is captured by the GPU tests), and the range check of token ids given on the CPU
+    (ids on the GPU are checked there, without a read)."""
     state = model.new_state(2, 160)
     model.prefill([tokens(model, 1, 125), tokens(model, 2, 3)], state, [0, 1])
     guard = HostReadGuard(monkeypatch)
     monkeypatch.setattr(model.backend, "moe", guard.exempt(model.backend.moe))
+    monkeypatch.setattr(model_module, "check_token_ids", guard.exempt(model_module.check_token_ids))
     guard.on = True
     try:
         out = [model.step(tokens(model, 3 + i, 2), state) for i in range(6)]

@@ -15,17 +15,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nvfp4_megamoe.convert.api import convert_checkpoint
-from nvfp4_megamoe.convert.synth import write_synthetic
 from nvfp4_megamoe.runtime import load_model
 from nvfp4_megamoe.runtime.distributed import World, expert_ranges, resolve_world
 
+from numeric import rel_err
+
 BATCH, TOKENS, STEPS = 2, 40, 4  # window 32 and CSA ratio 4 (10 entries > top-k 8) are engaged
 EXPERT_FIELDS = ("w13", "w13_scale", "w13_alpha", "w2", "w2_scale", "w2_alpha")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def a2a_rows(rank: int, size: int) -> list[int]:
@@ -76,21 +72,15 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("distributed")
-    made = {}
-
-    def get(variant: str):
-        if variant not in made:
-            write_synthetic(root / f"src-{variant}", preset="tiny", variant=variant, seed=0)
-            convert_checkpoint(root / f"src-{variant}", root / variant, dense="keep")
-            made[variant] = root / variant
-        return made[variant]
-
-    return get
+def checkpoint(synth_checkpoints):
+    return lambda variant: synth_checkpoints.converted(variant, dense="keep").output
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+# Ranks start from a fork server that has imported torch, the runtime and this module once: not from a fork of the
+# test process (whose threads a fork would copy mid-flight), nor each from a fresh interpreter (seconds per rank).
+mp.set_forkserver_preload(["torch", "nvfp4_megamoe.runtime", __name__])
 
 
 def test_expert_ranges_split_evenly():
@@ -124,7 +114,8 @@ def test_expert_parallel_matches_single_process(checkpoint, tmp_path, variant, s
     ref = load_model(ckpt)
     n = ref.config.n_routed_experts
     ids = torch.randint(0, ref.config.vocab_size, (size + 1, TOKENS), generator=torch.Generator().manual_seed(3))
-    mp.spawn(_worker, args=(size, free_port(), str(ckpt), ids, str(tmp_path)), nprocs=size, join=True)
+    mp.start_processes(_worker, args=(size, free_port(), str(ckpt), ids, str(tmp_path)), nprocs=size, join=True,
+                       start_method="forkserver")
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
 
     # Each rank read its own expert range and nothing else of the routed experts.
@@ -143,13 +134,13 @@ def test_expert_parallel_matches_single_process(checkpoint, tmp_path, variant, s
     errors = []
     for res in results:
         for key in ("prefill", "steps"):
-            errors.append(rel(res["all_reduce"][key], want[key]))
+            errors.append(rel_err(res["all_reduce"][key], want[key]))
             assert errors[-1] < 1e-5, key
 
     # all_to_all: each rank ran its own rows (different counts and positions).
     for rank, res in enumerate(results):
         want = run(ref, ids[a2a_rows(rank, size), :a2a_tokens(rank)])
         for key in ("prefill", "steps"):
-            errors.append(rel(res["all_to_all"][key], want[key]))
+            errors.append(rel_err(res["all_to_all"][key], want[key]))
             assert errors[-1] < 1e-5, (rank, key)
     print(f"{variant} x{size}: max rel err {max(errors):.2e}")  # measured: see docs/distributed.md

@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from nvfp4_megamoe.convert.api import convert_checkpoint
-from nvfp4_megamoe.convert.synth import write_synthetic
 from nvfp4_megamoe.runtime import ModelConfig, load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -50,12 +48,11 @@ def test_expected_experts_is_the_mean_of_distinct_experts_a_batch_picks():
     assert e2e_bench.expected_experts(64, 6, 4096) == pytest.approx(64)
 
 
-def test_floor_bytes_from_the_headers_match_the_loaded_weights(tmp_path):
-    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash", seed=0)
-    convert_checkpoint(src, tmp_path / "out", target="sm90", progress=False)
-    config = ModelConfig.from_file(tmp_path / "out")
-    sizes = e2e_bench.checkpoint_bytes(tmp_path / "out", config)
-    w = load_model(tmp_path / "out").weights
+def test_floor_bytes_from_the_headers_match_the_loaded_weights(synth_checkpoints):
+    out = synth_checkpoints.converted("flash", target="sm90").output
+    config = ModelConfig.from_file(out)
+    sizes = e2e_bench.checkpoint_bytes(out, config)
+    w = load_model(out).weights
     for i, lw in w.layers.items():
         experts = sum(getattr(lw.moe, f).nbytes for f in EXPERT_FIELDS)
         assert sizes["layers"][i]["experts"] == experts

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +20,10 @@ import huggingface_hub.constants as hf_constants
 from nvfp4_megamoe.convert.api import STAGED_AHEAD, STAGING_DIR, convert_checkpoint
 from nvfp4_megamoe.convert.errors import SourceError
 from nvfp4_megamoe.convert.hub import HubSource
-from nvfp4_megamoe.convert.synth import write_synthetic
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hub_server import HubServer  # noqa: E402
+from synth_checkpoints import writable_copy  # noqa: E402
 
 SHARD = 1_500_000  # small output shards: several per run
 
@@ -38,15 +37,13 @@ def _shards(out: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return write_synthetic(tmp_path_factory.mktemp("hub") / "src", preset="tiny", variant="flash")
+def ckpt(synth_checkpoints) -> Path:
+    return synth_checkpoints.source("flash")
 
 
 @pytest.fixture(scope="module")
-def local_out(ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("local") / "out"
-    convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False)
-    return out
+def local_out(synth_checkpoints) -> Path:
+    return synth_checkpoints.converted("flash", shard_size=SHARD).output
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +185,7 @@ def test_offline_mode_uses_the_cache(hub, hub_env, tmp_path, local_out, monkeypa
 
 
 def test_corrupt_download_is_refused(hub, hub_env, tmp_path, ckpt):
-    folder = tmp_path / "repo"
-    shutil.copytree(ckpt, folder)
+    folder = writable_copy(ckpt, tmp_path / "repo")
     repo = hub.add("org/corrupt", folder)
     bad = sorted(folder.glob("model-*.safetensors"))[2].name
     repo.lfs_sha256_override[bad] = "0" * 64
@@ -202,8 +198,7 @@ def test_corrupt_download_is_refused(hub, hub_env, tmp_path, ckpt):
 
 def test_index_naming_missing_or_outside_files_is_refused_before_download(hub, hub_env, tmp_path, ckpt):
     for i, target in enumerate(["model-00099-of-00099.safetensors", "../secrets.safetensors"]):
-        folder = tmp_path / f"repo{i}"
-        shutil.copytree(ckpt, folder)
+        folder = writable_copy(ckpt, tmp_path / f"repo{i}")
         index = json.loads((folder / "model.safetensors.index.json").read_text())
         index["weight_map"]["embed.weight"] = target
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -230,8 +225,7 @@ def test_unit_spanning_two_shards_keeps_both_until_done(hub, hub_env, tmp_path, 
     last file is fetched early and must stay staged until the MTP units (its other readers) finish."""
     from safetensors.torch import load_file, save_file
 
-    folder = tmp_path / "repo"
-    shutil.copytree(ckpt, folder)
+    folder = writable_copy(ckpt, tmp_path / "repo")
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     moved = [n for n in index["weight_map"] if n.startswith("layers.1.ffn.experts.3.")]
     src_file, dst_file = index["weight_map"][moved[0]], sorted(set(index["weight_map"].values()))[-1]

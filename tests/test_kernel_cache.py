@@ -49,6 +49,35 @@ def test_second_process_loads_instead_of_compiling(cache, monkeypatch):
     assert loaded is not first and callable(loaded) and type(loaded).__module__.startswith("tvm_ffi")
 
 
+def test_the_key_tells_cpu_from_cuda_operands():
+    """A function compiled on CPU stand-ins (CI) checks the device type of its arguments: a CUDA call must not get it
+    from the in-process or the disk cache."""
+    op, args = Sm90MoeRouting(experts=256, top_k=6, tile_tokens=8), _routing_args()
+    on_meta = [torch.empty(a.shape, dtype=a.dtype, device="meta") for a in args]
+    cpu, meta = cute_host.compile_key(op, args), cute_host.compile_key(op, on_meta)
+    assert cpu != meta and cpu[:2] == meta[:2] and {d for *_, d in cpu[2]} == {"cpu"}
+
+
+def test_collecting_lists_instead_of_compiling(cache):
+    op, args = Sm90MoeRouting(experts=256, top_k=6, tile_tokens=8), _routing_args()
+    with cute_host.collecting() as jobs:
+        assert cute_host.compile_op(op, args) is None
+    assert jobs == [(op, args)] and not list(cache.glob("*.o")) and not cute_host._COMPILED
+    assert cute_host.compile_op(op, args) is not None  # outside the block: compiled
+
+
+def test_compile_all_compiles_in_worker_processes_and_loads_here(cache, monkeypatch):
+    """Two kernels compiled by two spawned workers into the disk cache; this process only loads them (its own
+    compiler is made to fail), and a second call finds nothing left to compile."""
+    jobs = [(Sm90MoeRouting(experts=64, top_k=4, tile_tokens=t), _routing_args(12)) for t in (8, 16)]
+    import cutlass.cute as cute
+    monkeypatch.setattr(cute, "compile", _no_compile)
+    assert cute_host.compile_all(jobs, processes=2) == 2
+    assert len(list(cache.glob("*.o"))) == 2
+    assert all(cute_host.compile_key(op, args) in cute_host._COMPILED for op, args in jobs)
+    assert cute_host.compile_all(jobs, processes=2) == 0
+
+
 def test_other_configurations_get_other_files(cache):
     cute_host.compile_op(Sm90MoeRouting(experts=256, top_k=6, tile_tokens=8), _routing_args())
     cute_host.compile_op(Sm90MoeRouting(experts=256, top_k=6, tile_tokens=16), _routing_args())

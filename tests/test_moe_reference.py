@@ -12,6 +12,8 @@ from nvfp4_megamoe.kernels.nvfp4_reference import decode_weight
 from nvfp4_megamoe.kernels.row_tiles import tile_expert_weights
 from nvfp4_megamoe.kernels.swizzle import swizzle_block_scales
 
+from numeric import rel_err
+
 
 def _quantized_experts(e: int, h: int, i: int, gen: torch.Generator):
     """Random float weights quantised to format 1, and their exact dequantised float64 values."""
@@ -35,10 +37,6 @@ def _quantized_experts(e: int, h: int, i: int, gen: torch.Generator):
     return fmt, torch.stack(w1d), torch.stack(w3d), torch.stack(w2d)
 
 
-def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 @pytest.mark.parametrize("limit", [None, 10.0, 0.5])
 def test_reference_matches_float64_dense(limit):
     gen = torch.Generator().manual_seed(1234)
@@ -51,9 +49,9 @@ def test_reference_matches_float64_dense(limit):
     ref = moe_reference_dense(x.double(), ids, wts.double(), w1, w3, w2, limit)
     assert out.dtype == torch.float32 and out.shape == (t, h)
     assert torch.isfinite(out).all()
-    assert _relerr(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
     if limit == 0.5:  # the clamp is active and matters
-        assert _relerr(moe_reference_dense(x.double(), ids, wts.double(), w1, w3, w2, None), ref) > 1e-2
+        assert rel_err(moe_reference_dense(x.double(), ids, wts.double(), w1, w3, w2, None), ref) > 1e-2
 
 
 def test_reference_decodes_random_format1_weights():
@@ -71,7 +69,7 @@ def test_reference_decodes_random_format1_weights():
     up = (codes_scales.view(e, i // 8, 2, 8, h)[:, :, 1].reshape(e, i, h) * fmt["w13_alpha"][:, 1, None, None]).double()
     ref = moe_reference_dense(x.double(), ids, wts.double(), gate, up, w2.double(), 10.0)
     out = moe_reference(x, ids, wts, **fmt, swiglu_limit=10.0)
-    assert _relerr(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
     assert float(out.abs().mean()) > 0.01  # random data, not a degenerate all-zero layer
 
 
@@ -88,7 +86,7 @@ def test_reference_reads_row_tiled_weights():
     out = moe_reference(x, ids, wts, **tiled, swiglu_limit=10.0, weight_tiles=True)
     assert torch.equal(out, moe_reference(x, ids, wts, **fmt, swiglu_limit=10.0))
     assert float(out.abs().mean()) > 0.01
-    assert _relerr(moe_reference(x, ids, wts, **tiled, swiglu_limit=10.0), out) > 0.1  # tiles read as rows: wrong
+    assert rel_err(moe_reference(x, ids, wts, **tiled, swiglu_limit=10.0), out) > 0.1  # tiles read as rows: wrong
 
 
 def test_reference_rejects_bad_shapes():

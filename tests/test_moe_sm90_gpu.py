@@ -8,10 +8,9 @@ import torch
 from nvfp4_megamoe.kernels.moe_reference import moe_reference, random_moe_weights
 from nvfp4_megamoe.kernels.nvfp4_reference import nvfp4_linear
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (sm_90a)"),
-]
+from numeric import rel_err
+
+pytestmark = pytest.mark.gpu  # tests/conftest.py skips it without an sm_90 GPU
 
 SHAPES = {  # H, I, E, top-k
     "small": (512, 256, 16, 4),
@@ -112,10 +111,6 @@ def routing(t: int, e: int, k: int, kind: str, gen: torch.Generator) -> tuple[to
     return ids, torch.rand(t, k, device="cuda", generator=gen) + 0.05
 
 
-def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 # the WGMMA (prefill) kernels forced at any T, and the mma.sync kernels forced at prefill sizes
 FORCED = [
     ("small", 1, "uniform", "wgmma"), ("small", 130, "skewed", "wgmma"), ("small", 1001, "uniform", "wgmma"),
@@ -190,7 +185,7 @@ def test_moe_matches_reference(shape, tokens, kind, planner=None, tiles=False):
     torch.cuda.synchronize()
     ref = moe_reference(x, ids, wts, **w, swiglu_limit=10.0)
     assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
-    err = _relerr(out, ref)
+    err = rel_err(out, ref)
     assert err <= 1e-2, f"relative error {err:.3e}"
     assert float(ref.abs().mean()) > 1e-2
 
@@ -211,7 +206,7 @@ def test_direct_moe_holds_for_small_and_large_activations(shape, tokens, scale):
     torch.cuda.synchronize()
     ref = moe_reference(x, ids, wts, **w, swiglu_limit=10.0)
     assert torch.isfinite(out).all() and float(ref.abs().max()) > 0
-    err = _relerr(out, ref)
+    err = rel_err(out, ref)
     assert err <= 1e-2, f"relative error {err:.3e}"
 
 
@@ -241,7 +236,7 @@ def test_moe_int32_ids_and_cuda_graph(planner, t):
         graph.replay()
         torch.cuda.synchronize()
         ref = moe_reference(x, ids, wts, **w, swiglu_limit=10.0)
-        assert _relerr(out, ref) <= 1e-2
+        assert rel_err(out, ref) <= 1e-2
 
 
 @pytest.mark.parametrize("t,kdim", [(1, 128), (37, 4096), (4095, 7168), (8192, 2048)])
@@ -274,7 +269,7 @@ def test_dense_linear(n, kdim, t, subnormal, out_dtype):
     torch.cuda.synchronize()
     ref = nvfp4_linear(x, weight, scale, alpha)
     assert torch.isfinite(out.float()).all()
-    assert _relerr(out.float(), ref) <= 1e-2
+    assert rel_err(out.float(), ref) <= 1e-2
 
 
 def test_no_call_compiles_after_warmup():
@@ -294,7 +289,7 @@ def test_no_call_compiles_after_warmup():
         ids, wts = routing(t, e, k, "uniform", gen)
         out = layer(x, ids.to(torch.int32), wts, **w)
         torch.cuda.synchronize()
-        assert _relerr(out, moe_reference(x, ids, wts, **w, swiglu_limit=10.0)) <= 1e-2
+        assert rel_err(out, moe_reference(x, ids, wts, **w, swiglu_limit=10.0)) <= 1e-2
     assert len(cute_host._COMPILED) == compiled
 
 
@@ -320,4 +315,4 @@ def test_kernels_loaded_from_the_disk_cache_compute_the_same(tmp_path, monkeypat
     monkeypatch.setattr(cute, "compile", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("compiled")))
     loaded = layer(x, ids, wts, **w)
     torch.cuda.synchronize()
-    assert torch.equal(loaded, compiled) or _relerr(loaded, compiled) < 1e-6  # atomics may reorder the sums
+    assert torch.equal(loaded, compiled) or rel_err(loaded, compiled) < 1e-6  # atomics may reorder the sums

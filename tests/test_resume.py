@@ -18,7 +18,6 @@ import pytest
 from nvfp4_megamoe.convert.api import convert_checkpoint
 from nvfp4_megamoe.convert.errors import OutputError
 from nvfp4_megamoe.convert.resume import JOURNAL_FILE
-from nvfp4_megamoe.convert.synth import write_synthetic
 from nvfp4_megamoe.convert.writer import ShardWriter
 
 SHARD = 700_000  # ~10 output shards for the tiny preset
@@ -34,15 +33,13 @@ def _files(out: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return write_synthetic(tmp_path_factory.mktemp("resume") / "src", preset="tiny", variant="flash")
+def ckpt(synth_checkpoints) -> Path:
+    return synth_checkpoints.source("flash")
 
 
 @pytest.fixture(scope="module")
-def clean(ckpt, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("clean") / "out"
-    convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False, workers=1)
-    return out
+def clean(synth_checkpoints) -> Path:
+    return synth_checkpoints.converted("flash", shard_size=SHARD, workers=1).output
 
 
 def _cli(*args: str) -> list[str]:
@@ -113,7 +110,7 @@ def _interrupted_run(ckpt: Path, out: Path, monkeypatch, after: int, **kwargs) -
     assert not (out / "model.safetensors.index.json").exists()
 
 
-def test_resume_refuses_other_options_and_changed_source(ckpt, tmp_path, monkeypatch):
+def test_resume_refuses_other_options_and_changed_source(ckpt, synth_checkpoints, tmp_path, monkeypatch):
     out = tmp_path / "out"
     _interrupted_run(ckpt, out, monkeypatch, after=60)
     with pytest.raises(OutputError, match="--resume"):  # not without --resume
@@ -122,7 +119,7 @@ def test_resume_refuses_other_options_and_changed_source(ckpt, tmp_path, monkeyp
         convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False, resume=True, dense="keep")
     with pytest.raises(OutputError, match="options.*shard_size"):
         convert_checkpoint(ckpt, out, shard_size=SHARD * 2, progress=False, resume=True)
-    other = write_synthetic(tmp_path / "other", preset="tiny", variant="flash", seed=1)
+    other = synth_checkpoints.source("flash", seed=1)
     with pytest.raises(OutputError, match="source"):
         convert_checkpoint(other, out, shard_size=SHARD, progress=False, resume=True)
     before = _files(out)

@@ -1,7 +1,7 @@
 """Runtime: load a converted synthetic checkpoint and check it against transformers (the oracle).
 
 Checkpoints are written by ``convert.synth`` and converted with ``convert_checkpoint`` once per
-module. The oracle is ``DeepseekV4ForCausalLM`` in float32 on the source's exact dequantised
+session (the ``synth_checkpoints`` fixture of tests/conftest.py). The oracle is ``DeepseekV4ForCausalLM`` in float32 on the source's exact dequantised
 weights (``tests/runtime_oracle.py``); for lossy conversions (ModelOpt w1/w3 global scales, FP8 ->
 NVFP4 dense layers) a second oracle takes the converted NVFP4 weights, which isolates the
 runtime's own error from the converter's.
@@ -10,48 +10,33 @@ runtime's own error from the converter's.
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 
-from nvfp4_megamoe.convert.api import convert_checkpoint
-from nvfp4_megamoe.convert.synth import write_synthetic
 from nvfp4_megamoe.runtime import FormatError, ReferenceBackend, load_model
 from nvfp4_megamoe.runtime import checkpoint as checkpoint_module
 from nvfp4_megamoe.kernels.indexer_reference import select_topk
 from nvfp4_megamoe.kernels.row_tiles import untile_rows
 from nvfp4_megamoe.kernels.router_reference import route_hash
 
+from numeric import rel_err
 from runtime_oracle import transformers_model
+from synth_checkpoints import writable_copy
 
 TOKENS = 200  # > sliding window (32 / 64), > 128 so an HCA entry closes, ~50 CSA entries vs top-k 8 / 16
 SEED = 2  # input ids; with 8 index heads about one input in six has an exact tie (see TieCounter)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(preset, variant, dense) -> (source dir, converted dir), built on first use."""
-    root = tmp_path_factory.mktemp("runtime")
-    made: dict[tuple[str, str, str], tuple] = {}
+def checkpoints(synth_checkpoints):
+    """(preset, variant, dense, target) -> (source dir, converted dir), shared and read-only."""
 
     def get(preset: str, variant: str, dense: str = "keep", target: str = "sm100"):
-        key = (preset, variant, dense, target)
-        if key not in made:
-            src = root / f"{preset}-{variant}"
-            if not src.exists():
-                write_synthetic(src, preset=preset, variant=variant, seed=0)
-            out = root / f"{preset}-{variant}-{dense}-{target}"
-            convert_checkpoint(src, out, dense=dense, target=target)
-            made[key] = (src, out)
-        return made[key]
+        return synth_checkpoints.converted(variant, preset=preset, dense=dense, target=target)
 
     return get
 
@@ -102,7 +87,7 @@ def test_mxfp4_logits_match_transformers(checkpoints, preset, variant):
     got = model(ids)
     assert backend.ties == 0, "fixture has exact indexer ties at the top-k boundary; pick another seed"
     assert got.shape == (1, TOKENS, model.config.vocab_size) and got.dtype == torch.float32
-    assert rel(got, oracle_logits(src, ids)) < 1e-5  # measured ~7e-7; the issue's bound is 1e-3
+    assert rel_err(got, oracle_logits(src, ids)) < 1e-5  # measured ~7e-7; the issue's bound is 1e-3
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
@@ -114,7 +99,7 @@ def test_modelopt_runtime_is_exact_on_converted_weights(checkpoints, preset):
     ids = ids_for(model, SEED)
     got = model(ids)
     assert backend.ties == 0
-    assert rel(got, oracle_logits(src, ids, nvfp4_from=out)) < 1e-5
+    assert rel_err(got, oracle_logits(src, ids, nvfp4_from=out)) < 1e-5
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
@@ -126,7 +111,7 @@ def test_modelopt_logits_match_exact_source(checkpoints, preset):
     src, out = checkpoints(preset, "modelopt")
     model = load_model(out)
     ids = ids_for(model, SEED)
-    assert rel(model(ids), oracle_logits(src, ids)) < 1e-3
+    assert rel_err(model(ids), oracle_logits(src, ids)) < 1e-3
 
 
 def test_nvfp4_dense_layers(checkpoints):
@@ -137,7 +122,7 @@ def test_nvfp4_dense_layers(checkpoints):
     assert type(layer.attn.wq_a).__name__ == "Nvfp4Linear" and layer.moe.shared.w13 is not None
     assert layer.attn.wq_a.weight.dtype == torch.uint8  # stays packed in memory
     ids = ids_for(model, SEED)
-    assert rel(model(ids), oracle_logits(src, ids, nvfp4_from=out)) < 1e-5
+    assert rel_err(model(ids), oracle_logits(src, ids, nvfp4_from=out)) < 1e-5
 
 
 def test_row_tiled_checkpoint_runs_the_same_model(checkpoints):
@@ -164,13 +149,13 @@ def test_decode_matches_prefill(checkpoints, variant):
     state = model.new_state(2)
     steps = torch.stack([model.step(ids[:, i], state) for i in range(40)], dim=1)
     assert state.position == 40
-    assert rel(steps, full[:, :40]) < 1e-5
+    assert rel_err(steps, full[:, :40]) < 1e-5
     # Prefill, then decode across the first HCA window close (position 127) and a ring wrap.
     state = model.new_state(2)
     pre = model(ids[:, :122], state)
     steps = torch.stack([model.step(ids[:, i], state) for i in range(122, 132)], dim=1)
-    assert rel(pre, full[:, :122]) < 1e-5
-    assert rel(steps, full[:, 122:132]) < 1e-5
+    assert rel_err(pre, full[:, :122]) < 1e-5
+    assert rel_err(steps, full[:, 122:132]) < 1e-5
 
 
 class Bf16StateBackend(ReferenceBackend):
@@ -197,8 +182,8 @@ def test_bf16_state_keeps_the_cache_in_bf16_and_tracks_the_float32_state(checkpo
                 assert cs.pending_kv.dtype == torch.float32
                 kinds.add("indexer" if cs is st.indexer else "compressor")
     assert kinds == {"indexer", "compressor"}
-    err = max([rel(*pre)] + [rel(a, b) for a, b in steps])
-    print(f"bf16 state vs float32 state: prefill {rel(*pre):.3e}, steps {[round(rel(a, b), 4) for a, b in steps]}")
+    err = max([rel_err(*pre)] + [rel_err(a, b) for a, b in steps])
+    print(f"bf16 state vs float32 state: prefill {rel_err(*pre):.3e}, steps {[round(rel_err(a, b), 4) for a, b in steps]}")
     assert 0 < err < 2e-2, err
 
 
@@ -211,7 +196,7 @@ def test_chunked_prefill_matches_prefill(checkpoints, variant):
     full = model(ids)
     state = model.new_state(2)
     chunks = [model(ids[:, a:b], state) for a, b in ((0, 77), (77, 127), (127, 128), (128, 131), (131, TOKENS))]
-    assert rel(torch.cat(chunks, dim=1), full) < 1e-5
+    assert rel_err(torch.cat(chunks, dim=1), full) < 1e-5
 
 
 # -- loading -------------------------------------------------------------------------------------------
@@ -306,7 +291,7 @@ def test_expert_parallel_partial_sums_add_up(checkpoints):
     be, limit = full.backend, full.config.swiglu_limit
     want = be.moe(x, ids, w, full.weights.layers[1].moe, limit)
     got = sum(p.backend.moe(x, ids, w, p.weights.layers[1].moe, limit) for p in parts)
-    assert rel(got, want) < 1e-6
+    assert rel_err(got, want) < 1e-6
 
 
 def test_not_converted_folder_is_a_clear_error(checkpoints):
@@ -317,8 +302,7 @@ def test_not_converted_folder_is_a_clear_error(checkpoints):
 
 def test_newer_format_version_is_a_clear_error(checkpoints, tmp_path):
     _, out = checkpoints("tiny", "flash")
-    copy = tmp_path / "copy"
-    shutil.copytree(out, copy)
+    copy = writable_copy(out, tmp_path / "copy")
     manifest = json.loads((copy / "nvfp4_manifest.json").read_text())
     manifest["format_version"] = 3
     (copy / "nvfp4_manifest.json").write_text(json.dumps(manifest))
@@ -329,8 +313,7 @@ def test_newer_format_version_is_a_clear_error(checkpoints, tmp_path):
 def test_verify_hashes_detects_a_modified_shard(checkpoints, tmp_path):
     _, out = checkpoints("tiny", "flash")
     load_model(out, layers=[0], verify_hashes=True)
-    copy = tmp_path / "copy"
-    shutil.copytree(out, copy)
+    copy = writable_copy(out, tmp_path / "copy")
     shard = next(copy.glob("model-*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
@@ -378,9 +361,8 @@ def test_config_reads_release_and_transformers_spellings(checkpoints):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_reference_ops_on_cuda_match_cpu(checkpoints):
     _, out = checkpoints("tiny", "flash")
     cpu, gpu = load_model(out), load_model(out, device="cuda", backend=ReferenceBackend())
     ids = ids_for(cpu, 0, tokens=64)
-    assert rel(gpu(ids).cpu(), cpu(ids)) < 1e-4
+    assert rel_err(gpu(ids).cpu(), cpu(ids)) < 1e-4

@@ -12,34 +12,19 @@ import gc
 import pytest
 import torch
 
-from nvfp4_megamoe.convert.api import convert_checkpoint
-from nvfp4_megamoe.convert.synth import write_synthetic
 from nvfp4_megamoe.runtime import HopperBackend, ReferenceBackend, load_model
 from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
-from nvfp4_megamoe.runtime.hopper import hopper_available
 from nvfp4_megamoe.runtime.weights import Nvfp4Linear
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not hopper_available("cuda"), reason="needs an sm_90 GPU with CuTeDSL"),
-]
+from numeric import rel_err
 
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
+pytestmark = pytest.mark.gpu  # tests/conftest.py skips it without an sm_90 GPU
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    made = {}
-
+def converted(synth_checkpoints):
     def get(variant: str, dense: str = "keep", target: str = "sm100"):
-        if (variant, dense, target) not in made:
-            root = tmp_path_factory.mktemp(f"{variant}-{dense}-{target}")
-            src = write_synthetic(root / "src", preset="tiny", variant=variant, seed=0)
-            convert_checkpoint(src, root / "out", dense=dense, target=target, progress=False)
-            made[variant, dense, target] = root / "out"
-        return made[variant, dense, target]
+        return synth_checkpoints.converted(variant, dense=dense, target=target).output
 
     return get
 
@@ -62,7 +47,7 @@ def test_moe_kernel_matches_reference_on_loaded_layers(converted, variant, targe
         got = model.backend.moe(x, ids, wts, m, model.config.swiglu_limit)
         assert model.backend.kernel_calls["moe"] == before + 1  # the kernel ran, not the fallback
         want = ref.moe(x.to(torch.bfloat16).float(), ids, wts, m, model.config.swiglu_limit)
-        assert rel(got, want) < 1e-2
+        assert rel_err(got, want) < 1e-2
 
 
 class SharedRouting:
@@ -111,12 +96,12 @@ def test_logits_with_kernels_match_reference_path(converted, variant, dense, tar
     slow = load_model(out, device="cuda", backend=ReferenceBackend())
     routing = SharedRouting(fast, slow)
     ids = torch.randint(0, fast.config.vocab_size, (1, 160), generator=torch.Generator().manual_seed(3)).cuda()
-    print(f"{variant}: 160-token logits rel err kernels vs reference {rel(fast(ids), slow(ids)):.3e}")
+    print(f"{variant}: 160-token logits rel err kernels vs reference {rel_err(fast(ids), slow(ids)):.3e}")
     short = ids[:, :16]
-    assert rel(fast(short), slow(short)) < 1e-2
+    assert rel_err(fast(short), slow(short)) < 1e-2
     sf, ss = fast.new_state(1), slow.new_state(1)
     before = routing.flips
-    errs = [rel(fast.step(short[:, t], sf), slow.step(short[:, t], ss)) for t in range(16)]
+    errs = [rel_err(fast.step(short[:, t], sf), slow.step(short[:, t], ss)) for t in range(16)]
     print(f"{variant}: 16 decode steps worst rel err {max(errs):.3e}; the reference's own routing would "
           f"differ in {routing.flips - before} of these steps' router calls, {routing.flips} of {routing.calls} in all")
     assert routing.calls > 0 and not routing.pending
@@ -154,7 +139,7 @@ def test_decode_steps_from_cuda_graphs_match_eager_steps(converted, variant):
         want = model.step(toks[:, i], s_eager)
         model.decode_graphs = graphs
         assert torch.isfinite(got).all()
-        errs.append(rel(got, want))
+        errs.append(rel_err(got, want))
     assert graphs.replays - before == steps - 1  # the first step captured, the others replayed
     assert [t.data_ptr() for t in s_graph.tensors()] == addresses
     assert s_graph.host_positions == (11 + steps, 126 + steps, 17 + steps - 4)
@@ -207,7 +192,7 @@ def test_ragged_batch_decodes_each_prompt_as_alone(converted):
         alone = model.new_state(1, ctx)
         want_first = model.prefill([p], alone, [0], chunk=512)[0]
         want = torch.stack([model.step(toks[s, i:i + 1], alone)[0] for i in range(steps)])
-        errs = [rel(first[s], want_first)] + [rel(got[s, i], want[i]) for i in range(steps)]
+        errs = [rel_err(first[s], want_first)] + [rel_err(got[s, i], want[i]) for i in range(steps)]
         worst.append(max(errs))
     print("ragged batch vs alone, worst rel err per sequence:", [f"{e:.1e}" for e in worst])
     assert max(worst) < 1e-2, worst
@@ -221,6 +206,24 @@ def test_a_state_that_does_not_fit_the_gpu_is_refused(converted):
     state = model.new_state(2, 1024)
     assert state.nbytes == model.state_nbytes(2, 1024) and all(t.is_cuda for t in state.tensors())
     assert state.nbytes < free
+
+
+def test_an_out_of_range_id_on_the_gpu_is_refused_at_the_next_call(converted):
+    """Ids already on the GPU are not read back in a step (no sync): an out-of-range one is clamped, flagged on the
+    GPU, and the first call after the flag reached the host raises InputError; then the model goes on."""
+    from nvfp4_megamoe.errors import InputError
+    model = load_model(converted("flash", "nvfp4"), device="cuda")
+    state = model.new_state(2)
+    model(torch.randint(0, model.config.vocab_size, (2, 5)).cuda(), state)
+    bad = torch.tensor([1, model.config.vocab_size + 3], device="cuda")
+    logits = model.step(bad, state)  # no device-side assert: the id was clamped
+    torch.cuda.synchronize()
+    assert torch.isfinite(logits).all()
+    with pytest.raises(InputError, match="outside"):
+        model.step(torch.tensor([1, 2], device="cuda"), state)
+    assert torch.isfinite(model.step(torch.tensor([1, 2], device="cuda"), state)).all()
+    with pytest.raises(InputError, match="vocab_size"):  # ids from the CPU: refused before the call
+        model.step(torch.tensor([1, -1]), state)
 
 
 def _nvfp4_linear(n: int, k: int, seed: int) -> Nvfp4Linear:
@@ -239,7 +242,7 @@ def test_dense_linear_kernel_matches_reference(n, k, kernel):
         got = be.linear(x, w)
         assert be.kernel_calls["linear"] == before + kernel
         assert got.shape == (*lead, n) and got.dtype == torch.float32
-        assert rel(got, ReferenceBackend().linear(x.to(torch.bfloat16).float(), w)) < 1e-2
+        assert rel_err(got, ReferenceBackend().linear(x.to(torch.bfloat16).float(), w)) < 1e-2
 
 
 @pytest.mark.parametrize("groups,rows,kernel", [(4, 128, True), (2, 256, True), (4, 64, False)])
@@ -250,7 +253,7 @@ def test_grouped_linear_kernel_matches_reference(groups, rows, kernel):
     got = be.grouped_linear(x, w, groups)
     assert be.kernel_calls["linear"] == int(kernel)
     assert got.shape == (2, 9, groups, rows)
-    assert rel(got, ReferenceBackend().grouped_linear(x.to(torch.bfloat16).float(), w, groups)) < 1e-2
+    assert rel_err(got, ReferenceBackend().grouped_linear(x.to(torch.bfloat16).float(), w, groups)) < 1e-2
 
 
 def test_expert_range_on_gpu_is_a_partial_sum(converted):
@@ -266,4 +269,4 @@ def test_expert_range_on_gpu_is_a_partial_sum(converted):
     limit = full.config.swiglu_limit
     parts = sum(h.backend.moe(x, ids, wts, m, limit) for h, m in zip(halves, lw))
     whole = full.backend.moe(x, ids, wts, full.weights.layers[1].moe, limit)
-    assert rel(parts, whole) < 1e-5
+    assert rel_err(parts, whole) < 1e-5

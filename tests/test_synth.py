@@ -51,9 +51,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("synth")
-    return {v: write_synthetic(root / v, "tiny", v, seed=0) for v in VARIANTS}
+def ckpts(synth_checkpoints) -> dict[str, Path]:
+    return {v: synth_checkpoints.source(v) for v in VARIANTS}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
