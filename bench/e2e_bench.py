@@ -24,15 +24,18 @@ For a converted checkpoint (``--checkpoint``; with ``--preset`` the synthetic pr
     step must read from the decode state (ring, valid indexer keys, top-k or all valid entries, pending windows);
   - ``pct_of_floor``: ``floor_ms / wall_ms``; ``per_layer_ms``: ``wall_ms`` over the layers; ``tokens_per_s``.
 
-Results go to ``--out`` (one entry per checkpoint folder name, other entries kept) and a table is printed last.
-Per configuration the run takes a few seconds (state, first step and capture, timed steps; ``seconds`` in the
-JSON); loading takes as long as compiling the kernels (tens of seconds per new MoE shape, far less from the
-kernel cache on disk). ::
+Results go to ``--out`` (one entry per checkpoint folder name, other entries kept) and a table is printed last,
+with the seconds each configuration took (state, first step and capture, timed steps and replays). Loading
+includes compiling the kernels the first time a shape is met (``warmup_seconds``; later runs load them from the
+kernel cache on disk). Writing a synthetic preset takes minutes: make the checkpoints first, then time them, one
+command each::
 
     nvfp4-convert synth /tmp/flash-layer-src --preset flash-layer
     nvfp4-convert convert /tmp/flash-layer-src /tmp/flash-layer-sm90 --target sm90
+    nvfp4-convert synth /tmp/pro-layer-src --preset pro-layer
+    nvfp4-convert convert /tmp/pro-layer-src /tmp/pro-layer-sm90 --target sm90
     python bench/e2e_bench.py --checkpoint /tmp/flash-layer-sm90      # writes bench/results/e2e_bench.json
-    python bench/e2e_bench.py --checkpoint /tmp/pro-layer-sm90 --preset pro-layer
+    python bench/e2e_bench.py --checkpoint /tmp/pro-layer-sm90        # adds its entry
 """
 
 from __future__ import annotations
@@ -229,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 
-    print(f"\n{args.checkpoint.name}: {layers} layers, load {load_s:.1f} s (kernels {entry['warmup_seconds'] or 0:.1f} s), "
+    kernels = entry["warmup_seconds"] or 0.0
+    print(f"\n{args.checkpoint.name}: {layers} layers, load {load_s:.1f} s (kernels {kernels:.1f} s), "
           f"prefill {entry['prefill']['tokens_per_s']:,.0f} tok/s, copy {copy_bw / 1e12:.2f} TB/s")
     print(f"{'ctx':>6} {'B':>4} {'step ms':>8} {'GPU ms':>7} {'host':>5} {'/layer':>7} {'floor ms':>8} "
           f"{'% floor':>7} {'+state':>7} {'tok/s':>9} {'s':>5}")
