@@ -7,7 +7,7 @@ convert). V4-Flash shapes: 64 heads x 512, SWA ring 128, CSA ratio 4 with top-51
 128, HCA ratio 128. CUDA graphs, cold L2 (``gpu_timing.ColdTimer``).
 
 Then the cost of emitting one CSA entry into such a state (``emit_cost``): ``torch.cat`` of the whole
-state against the runtime's spare store.
+state against the runtime's write into its fixed-size store.
 
     python bench/decode_state_bench.py   # writes bench/results/decode_state_bench.json
 """
@@ -65,31 +65,21 @@ def _event_us(fn, reps: int) -> float:
 
 def emit_cost(ctx: int, b: int, reps: int) -> dict:
     """One CSA compressor emit (an entry [B, 1, 512] and an indexer key [B, 1, 128], once per 4 tokens) into
-    a state holding ctx / 4 of each: ``torch.cat`` of the whole state (the anchor: a copy per emit) against
-    ``CompressorState.append`` into a spare store (a write, plus a 1.25x reallocation every n / 4 emits,
-    amortised here)."""
-    from nvfp4_megamoe.runtime.state import CompressorState
+    a state holding ctx / 4 of each: ``torch.cat`` of the whole state (the anchor: a copy per emit) against the
+    runtime's write into its fixed-size store (``StepAttention``: one row per slot, at each slot's own entry
+    index, a ``scatter_``)."""
     n, dev, bf = ctx // 4, "cuda", torch.bfloat16
     ent, key = torch.randn(b, n, DIM, device=dev).to(bf), torch.randn(b, n, INDEX_DIM, device=dev).to(bf)
     new_e, new_k = torch.randn(b, 1, DIM, device=dev), torch.randn(b, 1, INDEX_DIM, device=dev)
     cat_us = _event_us(lambda: (torch.cat((ent, new_e.to(bf)), 1), torch.cat((key, new_k.to(bf)), 1)), reps)
-    stores = []
-    for t in (ent, key):
-        cs = CompressorState.empty(b, 1, t.shape[2], dev, bf, spare=True)
-        cs.append(t)
-        cs.store = torch.cat((cs.store, torch.zeros_like(cs.store)), 1)   # room: no growth while timing writes
-        stores.append(cs)
+    rows = torch.randint(0, n, (b, 1, 1), device=dev)
 
     def write():
-        for cs, new in zip(stores, (new_e, new_k)):
-            cs.count -= 1 if cs.count > n else 0
-            cs.append(new)
+        for store, new in ((ent, new_e), (key, new_k)):
+            store.scatter_(1, rows.expand(b, 1, store.shape[2]), new.to(bf))
     write_us = _event_us(write, reps)
-    grow_us = _event_us(lambda: [cs.store.new_zeros(b, cs.count * 5 // 4, cs.store.shape[2])[:, :cs.count]
-                                 .copy_(cs.entries) for cs in stores], max(1, reps // 4))
-    store_us = write_us + grow_us / max(1, n // 4)
-    return dict(context=ctx, batch=b, cat_us=cat_us, store_write_us=write_us, store_grow_us=grow_us,
-                store_amortised_us=store_us, per_token_saving_us=(cat_us - store_us) / 4)
+    return dict(context=ctx, batch=b, cat_us=cat_us, store_write_us=write_us,
+                per_token_saving_us=(cat_us - write_us) / 4)
 
 
 def main() -> None:

@@ -9,9 +9,9 @@ on the CPU is what an eager user waits for. Measured, on the GPU machine:
   the combine kernel);
 * ``step_ms``: one ``Model.step`` of the tiny synthetic V4-Flash model (5 layers, dense NVFP4, Hopper
   backend) at batch 1 and 8, every op eager, with the number of kernel launches per step and the host
-  time spent in them; ``step_graphs``: the same with each layer's FFN half replayed from a CUDA graph
-  (``Model.decode_graphs``, the default of ``load_model`` on the kernels path; the first step of a batch
-  size captures, and is among the timed steps only if it is the median).
+  time spent in them; ``step_graphs``: the same with the whole step replayed from the state's CUDA graph
+  (``Model.decode_graphs``, the default of ``load_model`` on the kernels path; a state's first step
+  captures, and is among the timed steps only if it is the median).
 
 Host times are medians of ``perf_counter`` spans around calls that do not wait for the GPU (the GPU is
 synchronised every 20 calls so its queue stays short); a step synchronises before and after.

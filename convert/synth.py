@@ -227,6 +227,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         "compress_ratios": [0, 4, 128, 0],
         "n_routed_experts": 64,
     },
+    # Real V4-Pro layer shapes (H=7168, I=3072, 64 of the 384 experts, 128 heads x 512, q lora 1536, 16 o_groups,
+    # o lora 1024, top-1024 indexer) on 3 layers (HCA/hash, CSA, HCA) + MTP and a 8192-token vocabulary: ~2.7 GB
+    # per layer shard (~8.5 GB in all, minutes to write), for end-to-end decode timing (bench/e2e_bench.py).
+    "pro-layer": {
+        "vocab_size": 8192,
+        "hidden_size": 7168,
+        "num_hidden_layers": 3,
+        "num_hash_layers": 1,
+        "compress_ratios": [128, 4, 128, 0],
+        "num_attention_heads": 128,
+        "q_lora_rank": 1536,
+        "o_groups": 16,
+        "o_lora_rank": 1024,
+        "n_routed_experts": 64,
+        "moe_intermediate_size": 3072,
+        "index_topk": 1024,
+        "routed_scaling_factor": 2.5,
+    },
     # flash-layer with twice the experts (~7.5 GB): the converter's peak-memory check (bench/convert_bench.py).
     "flash-layer-2x": {
         "vocab_size": 8192,

@@ -1,16 +1,16 @@
-"""CUDA graphs of the decode step's blocks whose shapes depend on the batch alone.
+"""CUDA graphs of whole decode steps: one per decode state, captured at its first step and replayed after.
 
-A decode step is bound by the host: every torch op and kernel launch of a layer costs CPU time while
-the GPU waits (``docs/runtime.md``). The FFN half of a layer (mHC weights, norm, router, routed and
-shared experts, mHC update) reads no decode state, so at a fixed batch size it is the same launches
-on the same shapes every step: it is captured once per (layer, batch) and replayed as one graph.
-The attention half stays eager: its shapes follow the position (compressed entries appear every 4
-and 128 tokens).
+A decode step is bound by the host when it is launched op by op: every torch op and kernel launch costs CPU
+time while the GPU waits (``docs/runtime.md``). :meth:`Model.step` has fixed shapes, reads no device value on
+the host and writes the state in place (``runtime/state.py``), so for one state it is the same launches on the
+same memory every step: all layers (both halves) and the head are captured once as one graph and each later step
+is one replay. The only input that changes is the token ids, copied into the graph's buffer.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
@@ -25,15 +25,16 @@ class _Captured:
 
 
 class DecodeGraphs:
-    """Capture-once, replay-after cache of CUDA graphs keyed by the caller (``(layer, batch)``).
+    """Capture-once, replay-after cache of CUDA graphs keyed by the caller (the model: one per decode state).
 
-    :meth:`run` computes ``fn(*inputs)`` (CUDA tensors in, one tensor out). The first call for a key
-    runs ``fn`` eagerly, which also compiles and allocates whatever it needs (so no lazily made
-    workspace lands in a graph's private memory), then captures it; later calls copy the inputs into
-    the graph's buffers and replay it. A block that cannot be captured (a host sync in a fallback
-    path, say) stays eager; the first such block warns. The output of a replay is the graph's own
-    buffer: the next replay of that key overwrites it, so consume it first (the decode step does: the
-    next layer reads it before the next step).
+    :meth:`run` computes ``fn(*inputs)`` (CUDA tensors in, one tensor out). The first call for a key runs
+    ``fn`` eagerly, which also compiles and allocates whatever it needs (so no lazily made workspace lands in
+    a graph's private memory), then captures it (a capture records, it does not run: the eager call was the
+    step); later calls copy the inputs into the graph's buffers and replay it. A graph writes the memory it
+    was captured on: ``owner`` (the decode state) is what owns that memory, and its graph is dropped when the
+    owner is freed, so a replay never writes memory that has been given to something else. A block that cannot
+    be captured (a host sync in a fallback path, say) stays eager; the first such block warns. The output of a
+    replay is the graph's own buffer: the next replay of that key overwrites it, so copy it out first.
     """
 
     def __init__(self) -> None:
@@ -41,10 +42,22 @@ class DecodeGraphs:
         self._warned = False
         self.replays = 0
 
-    def run(self, key: Hashable, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+    def __len__(self) -> int:
+        """Graphs held (captured or refused), one per live key."""
+        return len(self._graphs)
+
+    def graph(self, key: Hashable) -> torch.cuda.CUDAGraph | None:
+        """The graph captured for ``key`` (None: not captured, or refused); for timing it alone."""
+        cap = self._graphs.get(key)
+        return None if cap is None else cap.graph
+
+    def run(self, key: Hashable, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor,
+            owner: object | None = None) -> torch.Tensor:
         if key not in self._graphs:
             out = fn(*inputs)
             self._graphs[key] = self._capture(key, fn, inputs)
+            if owner is not None:
+                weakref.finalize(owner, self._graphs.pop, key, None)
             return out
         cap = self._graphs[key]
         if cap is None:

@@ -248,7 +248,8 @@ class HopperBackend(ReferenceBackend):
             sm90_mhc.warmup(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, dev)
         ratios = {lw.attn.compress_ratio for lw in layers}
         if sm90_decode_attention.Sm90DecodeAttention.can_implement(cfg.num_heads, cfg.head_dim):
-            modes = ("window",) + (("indexed",) if 4 in ratios else ()) + (("dense",) if ratios - {0, 4} else ())
+            # CSA and HCA both pass -1-padded indices (HCA: every valid row of its fixed-size store)
+            modes = ("window",) + (("indexed",) if ratios - {0} else ())
             sm90_decode_attention.warmup(modes, cfg.num_heads, cfg.head_dim ** -0.5, dev)
         if 4 in ratios:
             sm90_indexer.warmup(cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, dev)

@@ -1,10 +1,14 @@
-"""The DeepSeek-V4 forward over typed format-1 weights, prefill and step-by-step decode.
+"""The DeepSeek-V4 forward over typed format-1 weights: prefill, chunked prefill and step-by-step decode.
 
-One code path serves both: a forward processes a chunk of ``T`` tokens at positions
-``[state.position, state.position + T)`` against a :class:`DecodeState` and advances it. A
-prefill is a chunk on a fresh state; :meth:`Model.step` is a chunk of one token. Every compute
-op goes through the model's backend (``runtime/backend.py``); activations are float32.
+The decode state (``runtime/state.py``) has one slot per sequence, each at its own position. Two paths
+share every block but the attention core (``runtime/attention.py``):
 
+* a **chunk**: ``T`` tokens of slots that share one position (``model(ids, state)``, :meth:`Model.prefill`),
+  dense masked attention;
+* a **step**: one token of every slot, each at its own position (:meth:`Model.step`), with fixed shapes and
+  no host read of a device value, so that one CUDA graph per state replays it (``runtime/decode_graphs.py``).
+
+Every compute op goes through the model's backend (``runtime/backend.py``); activations are float32.
 Semantics are the official ``inference/model.py`` (docs/deepseek_v4.md, "The forward pass"); where transformers 5.23
 differs, docs/runtime.md says which one this follows.
 """
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 
 from nvfp4_megamoe.errors import InputError
 
+from .attention import ChunkAttention, StepAttention
 from .backend import ReferenceBackend
 from .hopper import HopperBackend, hopper_available
 from .checkpoint import Checkpoint
@@ -25,10 +30,11 @@ from .distributed import ExpertParallelBackend, resolve_world
 from .config import ModelConfig
 from .decode_graphs import DecodeGraphs
 from .rope import inv_freq
-from .state import CompressorState, DecodeState, LayerState
-from .weights import CompressorWeights, LayerWeights, ModelWeights, WeightLoader
+from .state import CompressorState, DecodeState, LayerState, Shapes, check_fits, compressor_shapes, nbytes_of
+from .weights import LayerWeights, ModelWeights, WeightLoader
 
-_NEG_INF = float("-inf")
+#: max_context of :meth:`Model.new_state` when none is given
+DEFAULT_MAX_CONTEXT = 4096
 
 
 def check_token_ids(ids: torch.Tensor, vocab: int) -> None:
@@ -86,8 +92,8 @@ class Model:
         self.device = torch.device(device)
         self.checkpoint = checkpoint
         self.world = None  # a distributed.World when load_model(..., world=...) split the experts
-        # one-token forwards replay each layer's FFN half from a CUDA graph (load_model sets this on the
-        # Hopper kernels path; None: every op eager)
+        # decode steps replay from one CUDA graph per state (load_model sets this on the Hopper kernels
+        # path; None: every op eager)
         self.decode_graphs: DecodeGraphs | None = None
         self._id_check: _DeviceIdCheck | None = None  # for token ids handed over on the GPU
         self._freq_main = inv_freq(config.main_rope).to(self.device)
@@ -105,26 +111,54 @@ class Model:
             lw.moe.expert_range == (0, n) for lw in self.weights.layers.values())
 
     # -- state --------------------------------------------------------------------------------------
-    def new_state(self, batch: int) -> DecodeState:
-        """An empty KV cache for ``batch`` sequences (all at position 0)."""
-        cfg, dev, dt = self.config, self.device, self.backend.state_dtype
-        state = DecodeState(batch=batch)
+    def _state_shapes(self, batch: int, max_context: int) -> dict[int, dict[str, Shapes]]:
+        """Per layer, per part (``window``, ``compressor``, ``indexer``): the state's tensor shapes."""
+        cfg, dt = self.config, self.backend.state_dtype
+        plan = {}
         for i in self.layer_indices:
             ratio = cfg.compress_ratios[i]
-            st = LayerState(torch.zeros((batch, cfg.sliding_window, cfg.head_dim), dtype=dt, device=dev))
+            parts = {"window": {"window": ((batch, cfg.sliding_window, cfg.head_dim), dt)}}
             if ratio:
                 width = 2 * cfg.head_dim if ratio == 4 else cfg.head_dim
-                st.compressor = CompressorState.empty(batch, width, cfg.head_dim, dev, dt, spare=ratio == 4)
+                parts["compressor"] = compressor_shapes(batch, ratio, width, cfg.head_dim, max_context, dt,
+                                                        overlap=ratio == 4)
             if ratio == 4:
-                st.indexer = CompressorState.empty(batch, 2 * cfg.index_head_dim, cfg.index_head_dim, dev, dt,
-                                                   spare=True)
+                parts["indexer"] = compressor_shapes(batch, ratio, 2 * cfg.index_head_dim, cfg.index_head_dim,
+                                                     max_context, dt, overlap=True)
+            plan[i] = parts
+        return plan
+
+    def state_nbytes(self, batch: int, max_context: int) -> int:
+        """Bytes :meth:`new_state` allocates for ``batch`` slots of ``max_context`` tokens."""
+        return 8 * batch + sum(nbytes_of(shapes) for parts in self._state_shapes(batch, max_context).values()
+                               for shapes in parts.values())
+
+    def new_state(self, batch: int, max_context: int = DEFAULT_MAX_CONTEXT) -> DecodeState:
+        """An empty decode state for ``batch`` sequences of up to ``max_context`` tokens each, every
+        tensor a step touches allocated here once (``state.nbytes`` says how much). Raises ValueError
+        when it does not fit the device's free memory."""
+        for name, v in (("batch", batch), ("max_context", max_context)):
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_fits(self.state_nbytes(batch, max_context), self.device, f"a state of batch {batch} and "
+                   f"max_context {max_context}")
+        state = DecodeState(batch, max_context, torch.zeros(batch, dtype=torch.long, device=self.device))
+        for i, parts in self._state_shapes(batch, max_context).items():
+            (shape, dtype), = parts["window"].values()
+            st = LayerState(torch.zeros(shape, dtype=dtype, device=self.device))
+            ratio = self.config.compress_ratios[i]
+            if "compressor" in parts:
+                st.compressor = CompressorState.allocate(parts["compressor"], ratio, self.device)
+            if "indexer" in parts:
+                st.indexer = CompressorState.allocate(parts["indexer"], ratio, self.device)
             state.layers[i] = st
         return state
 
     # -- public forward -------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: DecodeState | None = None) -> torch.Tensor:
-        """Logits float32 [B, T, V] for ``input_ids`` [B, T] (int) continuing ``state`` (fresh if None)."""
+        """Logits float32 [B, T, V] for ``input_ids`` [B, T] (int) continuing ``state`` (fresh if None): row b
+        continues slot b from its own position."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         check_token_ids(input_ids, self.config.vocab_size)
@@ -135,149 +169,161 @@ class Model:
             input_ids = self._id_check.clamp(input_ids)
         input_ids = input_ids.to(self.device)
         b, t = input_ids.shape
-        if state is None:
-            state = self.new_state(b)
-        elif state.batch != b:
-            raise ValueError(f"state is for batch {state.batch}, input_ids has batch {b}")
         if t == 0:
             raise ValueError("input_ids holds no tokens")
-        be, cfg, w = self.backend, self.config, self.weights
-        positions = torch.arange(state.position, state.position + t, device=self.device)
-        x = F.embedding(input_ids, w.embed).float()
-        streams = x.unsqueeze(2).expand(b, t, cfg.hc_mult, cfg.hidden_size)
-        graphs = self.decode_graphs if t == 1 else None
-        for i in self.layer_indices:
-            lw = w.layers[i]
-            streams = self._attention_half(lw, streams, positions, state.position, state.layers[i])
-            if graphs is None:
-                streams = self._ffn_half(lw, streams, input_ids)
-            else:
-                streams = graphs.run((i, b), lambda s, ids, lw=lw: self._ffn_half(lw, s, ids), streams, input_ids)
-        state.position += t
-        h = be.hc_head(streams, w.hc_head.fn, w.hc_head.base, w.hc_head.scale,
-                       hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
-        return be.linear(be.rms_norm(h, w.norm, cfg.rms_norm_eps), w.head)
+        if state is None:
+            state = self.new_state(b, max_context=t)
+        elif state.batch != b:
+            raise ValueError(f"state is for batch {state.batch}, input_ids has batch {b}")
+        if t == 1:
+            return self._decode(input_ids[:, 0], state)[:, None]
+        state.room(range(b), t)
+        groups: dict[int, list[int]] = {}   # rows at one position run as one chunk
+        for row, pos in enumerate(state.host_positions):
+            groups.setdefault(pos, []).append(row)
+        if len(groups) == 1:
+            return self._chunk(input_ids, state, list(range(b)))
+        out = torch.empty(b, t, self.config.vocab_size, device=self.device)
+        for rows in groups.values():
+            out[rows] = self._chunk(input_ids[rows], state, rows)
+        return out
 
     __call__ = forward
 
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        """Decode one token per sequence: ``token_ids`` [B] (or [B, 1]) -> logits [B, V]; advances ``state``."""
+        """Decode one token per slot: ``token_ids`` [B] (or [B, 1]) -> logits [B, V]; every slot advances by
+        one from its own position."""
         return self.forward(token_ids.reshape(-1, 1), state)[:, 0]
+
+    @torch.no_grad()
+    def prefill(self, prompts, state: DecodeState, slots, *, chunk: int | None = None,
+                fresh: bool = True) -> torch.Tensor:
+        """Feed prompts of any lengths into chosen slots of ``state``; the other slots are untouched.
+
+        ``prompts``: a sequence of 1-D int tensors (or a [n, T] tensor); ``slots``: n distinct slot numbers.
+        ``fresh``: each slot starts a new sequence (``state.reset(slot)`` first); False continues it.
+        ``chunk``: feed each prompt ``chunk`` tokens at a time (same logits; the reference prefill's memory
+        grows with the chunk length squared). Returns float32 [n, V]: the logits after each prompt's last
+        token (what picks its first generated token).
+        """
+        slots = [int(s) for s in slots]
+        if len(prompts) != len(slots) or len(set(slots)) != len(slots):
+            raise ValueError(f"need one distinct slot per prompt, got {len(prompts)} prompts and slots {slots}")
+        for s in slots:
+            state.check_slot(s)
+        prompts = [torch.as_tensor(p).reshape(-1).to(self.device) for p in prompts]
+        for s, p in zip(slots, prompts):
+            if p.numel() == 0:
+                raise ValueError(f"the prompt for slot {s} holds no tokens")
+            state.room([] if fresh else [s], p.numel())
+            if fresh and p.numel() > state.max_context:
+                raise ValueError(f"a prompt of {p.numel()} tokens does not fit max_context={state.max_context}")
+        size = chunk if chunk is not None else max(p.numel() for p in prompts)
+        if not (isinstance(size, int) and size >= 1):
+            raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+        last = []
+        for s, p in zip(slots, prompts):
+            if fresh:
+                state.reset(s)
+            for a in range(0, p.numel(), size):
+                logits = self._chunk(p[None, a:a + size], state, [s], last_only=True)
+            last.append(logits[0, -1])
+        return torch.stack(last)
+
+    # -- the two paths: a chunk of rows at one position, a step of every slot at its own ----------------
+    def _chunk(self, input_ids: torch.Tensor, state: DecodeState, rows: list[int], last_only: bool = False):
+        """``input_ids`` [n, T] continuing slots ``rows`` of ``state``, which share one position (host-known):
+        dense masked attention over (ring + chunk + entries). Logits [n, T, V] ([n, 1, V]: ``last_only``)."""
+        cfg, w = self.config, self.weights
+        n, t = input_ids.shape
+        pos0 = state.host_positions[rows[0]]
+        if any(state.host_positions[r] != pos0 for r in rows):
+            raise ValueError(f"a chunk's slots must share one position, slots {rows} are at "
+                             f"{[state.host_positions[r] for r in rows]}")
+        state.room(rows, t)
+        idx = torch.tensor(rows, device=self.device)
+        positions = torch.arange(pos0, pos0 + t, device=self.device)
+        streams = F.embedding(input_ids, w.embed).float().unsqueeze(2).expand(n, t, cfg.hc_mult, cfg.hidden_size)
+        for i in self.layer_indices:
+            attend = ChunkAttention(self.backend, cfg, state.layers[i], idx, positions, pos0)
+            streams = self._layer(w.layers[i], streams, input_ids, positions[None], attend)
+        state.positions.index_fill_(0, idx, pos0 + t)
+        state.advance(rows, t)
+        return self._head(streams[:, -1:] if last_only else streams)
+
+    def _decode(self, token_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """One token per slot, each at its own position: the host checks the bounds, then the step runs
+        (replayed from the state's CUDA graph where :attr:`decode_graphs` is set)."""
+        if token_ids.shape != (state.batch,):
+            raise ValueError(f"token_ids must be [batch={state.batch}], got shape {tuple(token_ids.shape)}")
+        state.room(range(state.batch), 1)
+        graphs = self.decode_graphs
+        if graphs is None:
+            logits = self._decode_step(token_ids, state)
+        else:  # a replay writes the graph's own output buffer: copy it out before the next step can
+            logits = graphs.run(("step", state.serial), lambda ids: self._decode_step(ids, state), token_ids,
+                                owner=state).clone()
+        state.advance(range(state.batch), 1)
+        return logits
+
+    def _decode_step(self, token_ids: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """The decode step on the device: every layer, the head and ``positions += 1``. Fixed shapes, no host
+        read of a device value, state written in place: one CUDA graph captures it whole."""
+        cfg, w = self.config, self.weights
+        b = token_ids.shape[0]
+        ids = token_ids[:, None]
+        streams = F.embedding(ids, w.embed).float().unsqueeze(2).expand(b, 1, cfg.hc_mult, cfg.hidden_size)
+        pos = state.positions[:, None]
+        for i in self.layer_indices:
+            attend = StepAttention(self.backend, cfg, state.layers[i], state.positions)
+            streams = self._layer(w.layers[i], streams, ids, pos, attend)
+        logits = self._head(streams)[:, 0]
+        state.positions.add_(1)
+        return logits
 
     # -- blocks -----------------------------------------------------------------------------------
     def _hc_kw(self) -> dict:
         cfg = self.config
         return dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
 
-    def _attention_half(self, lw: LayerWeights, streams, positions, start: int, st: LayerState):
+    def _layer(self, lw: LayerWeights, streams, input_ids, positions, attend):
+        """One decoder layer: mHC, norm, attention (``attend``: the chunk's or the step's core), mHC; then the FFN half."""
         be, cfg = self.backend, self.config
         x, post, comb = be.hc_pre(streams, lw.hc_attn.fn, lw.hc_attn.base, lw.hc_attn.scale, **self._hc_kw())
-        out = self._attention(lw, be.rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), positions, start, st)
-        return be.hc_post(out, streams, post, comb)
+        out = self._attention(lw, be.rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), positions, attend)
+        streams = be.hc_post(out, streams, post, comb)
+        return self._ffn_half(lw, streams, input_ids)
 
     def _ffn_half(self, lw: LayerWeights, streams, input_ids):
-        """mHC, norm, MoE, mHC: no decode state, shapes set by the batch alone (capturable for decode)."""
+        """mHC, norm, MoE, mHC (no decode state)."""
         be, cfg = self.backend, self.config
         x, post, comb = be.hc_pre(streams, lw.hc_ffn.fn, lw.hc_ffn.base, lw.hc_ffn.scale, **self._hc_kw())
         out = self._moe(lw, be.rms_norm(x, lw.ffn_norm, cfg.rms_norm_eps), input_ids)
         return be.hc_post(out, streams, post, comb)
 
-    def _attention(self, lw: LayerWeights, h, positions, start: int, st: LayerState):
-        """``positions`` [T] on the device; ``start`` = positions[0] on the host (reading it back would
-        wait for the GPU in every layer)."""
+    def _head(self, streams):
+        be, cfg, w = self.backend, self.config, self.weights
+        h = be.hc_head(streams, w.hc_head.fn, w.hc_head.base, w.hc_head.scale,
+                       hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        return be.linear(be.rms_norm(h, w.norm, cfg.rms_norm_eps), w.head)
+
+    def _attention(self, lw: LayerWeights, h, positions, attend):
+        """Projections, RoPE and output of the attention sublayer; ``positions`` [B or 1, T] on the device;
+        ``attend(a, h, qr, q, kv, freq)`` the core over the decode state."""
         be, cfg, a = self.backend, self.config, lw.attn
         b, t, _ = h.shape
-        eps, ratio = cfg.rms_norm_eps, a.compress_ratio
-        freq = self._freq_compress if ratio else self._freq_main
-        cos, sin = be.rope_tables(positions, freq)              # [T, rd/2]
+        eps = cfg.rms_norm_eps
+        freq = self._freq_compress if a.compress_ratio else self._freq_main
+        cos, sin = be.rope_tables(positions, freq)              # [B or 1, T, rd/2]
         qr = be.rms_norm(be.linear(h, a.wq_a), a.q_norm, eps)   # [B, T, q_lora]
         q = be.rms_norm(be.linear(qr, a.wq_b).view(b, t, cfg.num_heads, cfg.head_dim), None, eps)
-        q = be.apply_rope(q, cos[:, None], sin[:, None])
+        q = be.apply_rope(q, cos[:, :, None], sin[:, :, None])
         kv = be.apply_rope(be.rms_norm(be.linear(h, a.wkv), a.kv_norm, eps), cos, sin)  # [B, T, D]
-
-        if t == 1:
-            out = self._decode_attention(a, h, qr, q, kv, start, st, freq, cos, sin)
-        else:
-            out = self._prefill_attention(a, h, qr, q, kv, positions, start, st, freq, cos, sin)
-        out = be.apply_rope(out, cos[:, None], sin[:, None], inverse=True)
+        out = attend(a, h, qr, q, kv, freq, cos, sin)
+        out = be.apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True)
         out = be.grouped_linear(out.reshape(b, t, cfg.o_groups, -1), a.wo_a, cfg.o_groups)
         return be.linear(out.flatten(2), a.wo_b)
-
-    def _prefill_attention(self, a, h, qr, q, kv, positions, pos0: int, st: LayerState, freq, cos, sin):
-        """A chunk of T tokens: dense logits over (ring + chunk) keys and compressed entries, masked."""
-        be, cfg = self.backend, self.config
-        b, t = q.shape[:2]
-        # Sliding window: the ring holds positions [pos0 - W, pos0); query p sees keys (p - W, p].
-        window = cfg.sliding_window
-        past_pos = torch.arange(max(0, pos0 - window + 1), pos0, device=h.device)
-        keys = torch.cat((st.window[:, past_pos % window].to(kv.dtype), kv), dim=1)
-        dist = positions[:, None] - torch.cat((past_pos, positions))[None, :]
-        bias = torch.zeros(dist.shape, device=h.device).masked_fill((dist < 0) | (dist >= window), _NEG_INF)
-        bias = bias.expand(b, -1, -1)
-        keep = min(t, window)
-        st.window[:, positions[-keep:] % window] = kv[:, -keep:].to(st.window.dtype)
-
-        ratio = a.compress_ratio
-        if ratio:
-            entries = self._compress(a.compressor, h, st.compressor, ratio, freq)
-            n = entries.shape[1]
-            visible = torch.arange(n, device=h.device)[None, :] < ((positions + 1) // ratio)[:, None]
-            visible = visible.expand(b, -1, -1)
-            if a.indexer is not None:  # CSA: the lightning indexer picks top-k visible entries
-                ix = a.indexer
-                index_keys = self._compress(ix.compressor, h, st.indexer, ratio, freq)
-                iq = be.linear(qr, ix.wq_b).view(b, t, cfg.index_n_heads, cfg.index_head_dim)
-                iq = be.apply_rope(iq, cos[:, None], sin[:, None])
-                scores = be.indexer_scores(iq, index_keys.to(iq.dtype), be.linear(h, ix.weights_proj))
-                visible = be.select_topk(scores, visible, cfg.index_topk)
-            keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
-            entry_bias = torch.zeros(visible.shape, device=h.device).masked_fill(~visible, _NEG_INF)
-            bias = torch.cat((bias, entry_bias), dim=-1)
-        return be.sink_attention(q, keys, bias, a.sink, cfg.head_dim ** -0.5)   # [B, T, H, D]
-
-    def _decode_attention(self, a, h, qr, q, kv, pos: int, st: LayerState, freq, cos, sin):
-        """One token: write it into the ring, then attend over the ring and the entries (decode-kernel operands)."""
-        be, cfg = self.backend, self.config
-        b, window = q.shape[0], cfg.sliding_window
-        st.window[:, pos % window] = kv[:, 0]
-        window_len = torch.full((b,), min(pos + 1, window), dtype=torch.int32, device=h.device)
-        entries = indices = None
-        ratio = a.compress_ratio
-        if ratio:  # every entry present is complete, hence visible to this token
-            cs = st.compressor
-            self._compress(a.compressor, h, cs, ratio, freq)
-            entries = cs.entries
-            if a.indexer is not None:  # whole stores (no copy): the picks and n_valid bound what is read
-                ix = a.indexer
-                self._compress(ix.compressor, h, st.indexer, ratio, freq)
-                iq = be.linear(qr[:, 0], ix.wq_b).view(b, cfg.index_n_heads, cfg.index_head_dim)
-                iq = be.apply_rope(iq, cos, sin)
-                n_valid = torch.full((b,), st.indexer.count, dtype=torch.int32, device=h.device)
-                indices = be.indexer_topk(iq, st.indexer.store, be.linear(h[:, 0], ix.weights_proj),
-                                          cfg.index_topk, n_valid)
-                entries = cs.store
-            if cs.count == 0:  # no window closed yet: a window-only step
-                entries = indices = None
-        out = be.decode_attention(q[:, 0], st.window, window_len, entries, indices, a.sink, cfg.head_dim ** -0.5)
-        return out[:, None]
-
-    def _compress(self, cw: CompressorWeights, h, cs: CompressorState, ratio: int, freq):
-        """Feed a chunk to a compressor; emit entries for the windows it closes; return all entries."""
-        be, b = self.backend, h.shape[0]
-        kv = torch.cat((cs.pending_kv, be.linear(h, cw.wkv)), dim=1)
-        gate = torch.cat((cs.pending_gate, be.linear(h, cw.wgate)), dim=1)
-        n = kv.shape[1] // ratio
-        cs.pending_kv, cs.pending_gate = kv[:, n * ratio:], gate[:, n * ratio:]
-        if n:
-            pooled, last = be.compress_windows(kv[:, :n * ratio].reshape(b, n, ratio, -1),
-                                               gate[:, :n * ratio].reshape(b, n, ratio, -1), cw.ape,
-                                               overlap=ratio == 4, prev=cs.prev)
-            cs.prev = last
-            first = cs.count
-            cos, sin = be.rope_tables(torch.arange(first, first + n, device=h.device) * ratio, freq)
-            cs.append(be.apply_rope(be.rms_norm(pooled, cw.norm, self.config.rms_norm_eps), cos, sin))
-        return cs.entries
 
     def _moe(self, lw: LayerWeights, h, input_ids):
         be, cfg, m = self.backend, self.config, lw.moe

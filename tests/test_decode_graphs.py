@@ -1,5 +1,5 @@
 """``runtime/decode_graphs.py`` where a block cannot be captured (a capture that raises, as it does
-where torch has no CUDA or when a block reads a device value back).
+where torch has no CUDA or when a block reads a device value back), and the lifetime of a state's graph.
 
 The capture-and-replay path needs a GPU: ``tests/test_runtime_gpu.py`` checks replayed decode steps
 against eager ones on an H200.
@@ -40,3 +40,23 @@ def test_a_block_that_cannot_be_captured_runs_eagerly_and_warns_once(monkeypatch
     for i, got in enumerate(again):  # each call computes on its own inputs, nothing is replayed
         torch.testing.assert_close(got, _block(x - i, ids), rtol=0, atol=0)
     assert graphs.replays == 0
+
+
+def test_a_graph_goes_with_the_state_that_owns_its_memory(monkeypatch):
+    """A graph writes the memory it was captured on: when its owner (the decode state) is freed, the cache drops
+    it, so that no later replay writes memory handed to something else."""
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _NoCapture)
+
+    class Owner:
+        pass
+
+    graphs, owners = DecodeGraphs(), [Owner(), Owner()]
+    x, ids = torch.ones(2, 1, 4, 8), torch.zeros(2, 1, 1, 1)
+    with pytest.warns(UserWarning, match="could not be captured"):
+        for o in owners:
+            graphs.run(("step", id(o)), _block, x, ids, owner=o)
+    assert len(graphs) == 2
+    del o, owners[0]
+    assert len(graphs) == 1
+    owners.clear()
+    assert len(graphs) == 0

@@ -7,6 +7,8 @@ activations (W4A16), so agreement is to BF16 rounding, not to float32.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -106,52 +108,104 @@ def test_logits_with_kernels_match_reference_path(converted, variant, dense, tar
     assert max(errs) < 1e-2
 
 
+def _ids(model, seed: int, *shape: int) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(seed)).cuda()
+
+
 @pytest.mark.parametrize("variant", ["flash", "modelopt"])
 def test_decode_steps_from_cuda_graphs_match_eager_steps(converted, variant):
-    """load_model on the kernels path replays each layer's FFN half from a CUDA graph in decode steps
-    (captured per layer and batch); the logits equal those of the same steps run eagerly (up to the
-    order of the MoE's atomic sums), across steps where compressed entries are emitted (CSA every 4
-    tokens) and through the hash-routed first layer."""
+    """load_model on the kernels path replays each decode step, all layers and the head, from one CUDA graph per
+    state (captured at its first step). On a ragged state (slots prefilled to 11, 126 and 3 tokens; slot 1 closes
+    an HCA window, CSA entries are emitted every 4 tokens, slot 2 is refilled mid-way) the logits equal those of
+    the same steps run eagerly (up to the order of the MoE's atomic sums), and no state tensor moves."""
     model = load_model(converted(variant, "nvfp4"), device="cuda")
     graphs = model.decode_graphs
     assert graphs is not None
-    gen = torch.Generator().manual_seed(5)
-    b = 3
-    prompt = torch.randint(0, model.config.vocab_size, (b, 11), generator=gen).cuda()
-    toks = torch.randint(0, model.config.vocab_size, (b, 9), generator=gen).cuda()
-    s_graph, s_eager = model.new_state(b), model.new_state(b)
-    model(prompt, s_graph)
-    model(prompt, s_eager)
+    b, lengths, steps = 3, (11, 126, 3), 9
+    prompts = [_ids(model, 5 + i, n) for i, n in enumerate(lengths)]
+    toks, refill = _ids(model, 9, b, steps), _ids(model, 10, 17)
+    s_graph, s_eager = model.new_state(b, 256), model.new_state(b, 256)
+    for st in (s_graph, s_eager):
+        model.prefill(prompts, st, [0, 1, 2])
+    addresses = [t.data_ptr() for t in s_graph.tensors()]
     before = graphs.replays
     errs = []
-    for i in range(toks.shape[1]):
-        got = model.step(toks[:, i], s_graph).clone()
+    for i in range(steps):
+        if i == 4:
+            for st in (s_graph, s_eager):
+                model.prefill([refill], st, [2])
+        got = model.step(toks[:, i], s_graph)
         model.decode_graphs = None
         want = model.step(toks[:, i], s_eager)
         model.decode_graphs = graphs
         assert torch.isfinite(got).all()
         errs.append(rel_err(got, want))
-    layers = len(model.layer_indices)
-    assert graphs.replays - before == (toks.shape[1] - 1) * layers  # first step captured, the others replayed
+    assert graphs.replays - before == steps - 1  # the first step captured, the others replayed
+    assert [t.data_ptr() for t in s_graph.tensors()] == addresses
+    assert s_graph.host_positions == (11 + steps, 126 + steps, 17 + steps - 4)
+    assert s_graph.positions.tolist() == list(s_graph.host_positions)
     assert max(errs) < 1e-4, errs
+    del s_graph
+    gc.collect()
+    assert len(graphs) == 0  # a state's graph goes with it
 
 
 def test_decode_steps_do_not_wait_for_the_gpu(converted):
     """No op of a decode step reads a device value back (each such read stalls the host until the GPU has
-    caught up, in every layer): CUDA's sync check raises on any, over steps that emit compressed entries."""
+    caught up): CUDA's sync check raises on any, over graph-replayed steps and eager steps that emit compressed
+    entries, on a ragged state."""
     model = load_model(converted("flash", "nvfp4"), device="cuda")
-    state = model.new_state(2)
-    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(6)).cuda()
-    model(ids[:, :9], state)
-    model.step(ids[:, 9], state)  # captures this batch size's graphs (allocations, no reads)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for i in range(10, 20):
-            logits = model.step(ids[:, i], state)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert torch.isfinite(logits).all()
+    graphs = model.decode_graphs
+    ids = _ids(model, 6, 2, 20)
+    for mode in ("graphs", "eager"):
+        model.decode_graphs = graphs if mode == "graphs" else None
+        state = model.new_state(2, 64)
+        model.prefill([ids[0, :9], ids[1, :2]], state, [0, 1])
+        model.step(ids[:, 9], state)  # captures this state's graph (allocations, no reads)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for i in range(10, 20):
+                logits = model.step(ids[:, i], state)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.isfinite(logits).all(), mode
+
+
+def test_ragged_batch_decodes_each_prompt_as_alone(converted):
+    """8 prompts of 17 to 4,000 tokens prefill the slots of one state, then decode 64 tokens together (each slot at
+    its own position, steps from the state's CUDA graph); every sequence's logits (after its prompt and after each
+    step) equal those of the same sequence in a state of its own, within the BF16 tolerance of these tests. The
+    kernels' tilings differ between a batch of 8 and one, so the two agree to rounding, not bit for bit."""
+    model = load_model(converted("flash", "nvfp4"), device="cuda")
+    lengths, steps, ctx = (17, 100, 255, 512, 1000, 2049, 3001, 4000), 64, 4096
+    prompts = [_ids(model, 20 + i, n) for i, n in enumerate(lengths)]
+    toks = _ids(model, 30, len(lengths), steps)
+    state = model.new_state(len(lengths), ctx)
+    addresses = [t.data_ptr() for t in state.tensors()]
+    first = model.prefill(prompts, state, range(len(lengths)), chunk=512)
+    got = torch.stack([model.step(toks[:, i], state) for i in range(steps)], dim=1)    # [8, steps, V]
+    assert [t.data_ptr() for t in state.tensors()] == addresses
+    assert state.host_positions == tuple(n + steps for n in lengths)
+    worst = []
+    for s, p in enumerate(prompts):
+        alone = model.new_state(1, ctx)
+        want_first = model.prefill([p], alone, [0], chunk=512)[0]
+        want = torch.stack([model.step(toks[s, i:i + 1], alone)[0] for i in range(steps)])
+        errs = [rel_err(first[s], want_first)] + [rel_err(got[s, i], want[i]) for i in range(steps)]
+        worst.append(max(errs))
+    print("ragged batch vs alone, worst rel err per sequence:", [f"{e:.1e}" for e in worst])
+    assert max(worst) < 1e-2, worst
+
+
+def test_a_state_that_does_not_fit_the_gpu_is_refused(converted):
+    model = load_model(converted("flash", "nvfp4"), device="cuda")
+    free, _ = torch.cuda.mem_get_info()
+    with pytest.raises(ValueError, match="needs .* GiB and cuda.* GiB free"):
+        model.new_state(1 << 14, 1 << 22)
+    state = model.new_state(2, 1024)
+    assert state.nbytes == model.state_nbytes(2, 1024) and all(t.is_cuda for t in state.tensors())
+    assert state.nbytes < free
 
 
 def test_an_out_of_range_id_on_the_gpu_is_refused_at_the_next_call(converted):

@@ -296,11 +296,15 @@ def test_config_api():
     assert cfg["moe_intermediate_size"] % 128 != 0  # a row count that is not a multiple of 128
     assert synthetic_config("tiny", "flash", num_hidden_layers=6)["num_hidden_layers"] == 6
     assert synthetic_config("tiny", "pro")["routed_scaling_factor"] == 2.5
-    assert set(PRESETS) >= {"tiny", "small", "flash-layer"}
+    assert set(PRESETS) >= {"tiny", "small", "flash-layer", "pro-layer"}
     fl = synthetic_config("flash-layer", "flash")  # real layer shapes; writing takes minutes, not tested here
     assert (fl["hidden_size"], fl["moe_intermediate_size"], fl["head_dim"]) == (4096, 2048, 512)
     assert {0, 4, 128} <= set(fl["compress_ratios"]) and len(fl["compress_ratios"]) == 4
     assert synthetic_config("flash-layer", "pro")["compress_ratios"][:2] == [128, 128]
+    pl = synthetic_config("pro-layer", "flash")  # real V4-Pro layer shapes, 64 of the 384 experts
+    assert (pl["hidden_size"], pl["moe_intermediate_size"], pl["num_attention_heads"], pl["q_lora_rank"],
+            pl["o_groups"], pl["index_topk"]) == (7168, 3072, 128, 1536, 16, 1024)
+    assert pl["compress_ratios"] == [128, 4, 128, 0]
     with pytest.raises(ValueError):
         synthetic_config("tiny", "flash", hidden_size=100)
     with pytest.raises(ValueError):

@@ -1,0 +1,149 @@
+"""The core of the attention sublayer over the fixed-size decode state (``runtime/state.py``): which keys a query
+sees, and the state writes that go with it. Two forms, one semantics (docs/deepseek_v4.md, "The forward pass"):
+
+* :class:`ChunkAttention`: ``T`` tokens of chosen slots that share one position, known on the host (prefill,
+  chunked prefill, refilling a slot): dense masked logits over (ring + chunk + compressed entries) through
+  ``sink_attention``.
+* :class:`StepAttention`: one token of every slot, each at its own position (``positions`` on the device): the
+  ring write, the compressors' masked emission of the entry a slot's window closes, the indexer's top-k with
+  per-slot ``n_valid``, and ``decode_attention`` over the operands the GPU kernel takes. Fixed shapes, no host
+  read of a device value, writes in place: capturable in a CUDA graph.
+
+Both are called as ``core(a, h, qr, q, kv, freq, cos, sin)`` by :meth:`Model._attention` with the layer's
+attention weights, its normed input ``h`` [B, T, hidden], the query's low-rank ``qr``, the rotated query ``q``
+[B, T, H, D] and key ``kv`` [B, T, D], and return the attention output [B, T, H, D] (before the inverse RoPE).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .state import CompressorState, LayerState
+from .weights import AttentionWeights, CompressorWeights
+
+_NEG_INF = float("-inf")
+
+
+def _entries_rope(be, ratio: int, windows: torch.Tensor, freq: torch.Tensor):
+    """RoPE tables of entries ``windows`` (entry w sits at position w * ratio)."""
+    return be.rope_tables(windows * ratio, freq)
+
+
+class ChunkAttention:
+    """``T`` tokens continuing slots ``rows`` [n] (a device index) of one layer's state, all at ``pos0``;
+    ``positions`` [T] = ``pos0 + arange(T)`` on the device."""
+
+    def __init__(self, backend, config: ModelConfig, st: LayerState, rows: torch.Tensor, positions: torch.Tensor,
+                 pos0: int):
+        self.be, self.cfg, self.st, self.rows, self.positions, self.pos0 = backend, config, st, rows, positions, pos0
+
+    def __call__(self, a: AttentionWeights, h, qr, q, kv, freq, cos, sin):
+        be, cfg, st, rows, positions, pos0 = self.be, self.cfg, self.st, self.rows, self.positions, self.pos0
+        n, t = q.shape[:2]
+        # Sliding window: the ring holds positions [pos0 - W, pos0); query p sees keys (p - W, p].
+        window = cfg.sliding_window
+        past_pos = torch.arange(max(0, pos0 - window + 1), pos0, device=h.device)
+        keys = torch.cat((st.window[rows[:, None], (past_pos % window)[None]].to(kv.dtype), kv), dim=1)
+        dist = positions[:, None] - torch.cat((past_pos, positions))[None, :]
+        bias = torch.zeros(dist.shape, device=h.device).masked_fill((dist < 0) | (dist >= window), _NEG_INF)
+        bias = bias.expand(n, -1, -1)
+        keep = min(t, window)
+        st.window[rows[:, None], (positions[-keep:] % window)[None]] = kv[:, -keep:].to(st.window.dtype)
+
+        ratio = a.compress_ratio
+        if ratio:
+            entries = self._compress(a.compressor, h, st.compressor, freq)
+            visible = torch.arange(entries.shape[1], device=h.device)[None, :] < ((positions + 1) // ratio)[:, None]
+            visible = visible.expand(n, -1, -1)
+            if a.indexer is not None:  # CSA: the lightning indexer picks top-k visible entries
+                ix = a.indexer
+                index_keys = self._compress(ix.compressor, h, st.indexer, freq)
+                iq = be.linear(qr, ix.wq_b).view(n, t, cfg.index_n_heads, cfg.index_head_dim)
+                iq = be.apply_rope(iq, cos[:, :, None], sin[:, :, None])
+                scores = be.indexer_scores(iq, index_keys.to(iq.dtype), be.linear(h, ix.weights_proj))
+                visible = be.select_topk(scores, visible, cfg.index_topk)
+            keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
+            entry_bias = torch.zeros(visible.shape, device=h.device).masked_fill(~visible, _NEG_INF)
+            bias = torch.cat((bias, entry_bias), dim=-1)
+        return be.sink_attention(q, keys, bias, a.sink, cfg.head_dim ** -0.5)   # [n, T, H, D]
+
+    def _compress(self, cw: CompressorWeights, h, cs: CompressorState, freq) -> torch.Tensor:
+        """Feed the chunk to a compressor: store the entries of the windows it closes, keep the open window's
+        projections pending; return every entry of these slots so far [n, count, d]."""
+        be, rows, ratio = self.be, self.rows, cs.ratio
+        n = h.shape[0]
+        held = self.pos0 % ratio                  # the open window's tokens already pending
+        kv = torch.cat((cs.pending_kv[rows, :held], be.linear(h, cw.wkv)), dim=1)
+        gate = torch.cat((cs.pending_gate[rows, :held], be.linear(h, cw.wgate)), dim=1)
+        closed = kv.shape[1] // ratio
+        rest = kv.shape[1] - closed * ratio
+        cs.pending_kv[rows, :rest] = kv[:, closed * ratio:]
+        cs.pending_gate[rows, :rest] = gate[:, closed * ratio:]
+        first = self.pos0 // ratio
+        if closed:
+            prev = (cs.prev_kv[rows], cs.prev_gate[rows]) if cs.overlap else None
+            pooled, last = be.compress_windows(kv[:, :closed * ratio].reshape(n, closed, ratio, -1),
+                                               gate[:, :closed * ratio].reshape(n, closed, ratio, -1), cw.ape,
+                                               overlap=cs.overlap, prev=prev)
+            if cs.overlap:
+                cs.prev_kv[rows], cs.prev_gate[rows] = last
+            cos, sin = _entries_rope(be, ratio, torch.arange(first, first + closed, device=h.device), freq)
+            entries = be.apply_rope(be.rms_norm(pooled, cw.norm, self.cfg.rms_norm_eps), cos, sin)
+            cs.store[rows, first:first + closed] = entries.to(cs.store.dtype)
+        return cs.store[rows, :first + closed]
+
+
+class StepAttention:
+    """One token of every slot of one layer's state, slot b at ``positions[b]`` (int64 [B] on the device,
+    the tokens held before this one)."""
+
+    def __init__(self, backend, config: ModelConfig, st: LayerState, positions: torch.Tensor):
+        self.be, self.cfg, self.st, self.pos = backend, config, st, positions
+
+    def __call__(self, a: AttentionWeights, h, qr, q, kv, freq, cos, sin):
+        be, cfg, st, pos = self.be, self.cfg, self.st, self.pos
+        b, window = q.shape[0], cfg.sliding_window
+        st.window.scatter_(1, (pos % window).view(b, 1, 1).expand(b, 1, kv.shape[-1]), kv.to(st.window.dtype))
+        window_len = torch.clamp(pos + 1, max=window).to(torch.int32)   # a partly filled ring is a prefix
+        entries = indices = None
+        ratio = a.compress_ratio
+        if ratio:
+            cs = st.compressor
+            self._compress(a.compressor, h, cs, freq)
+            count = torch.div(pos + 1, ratio, rounding_mode="floor").to(torch.int32)  # closed windows, this one's too
+            entries = cs.store
+            if a.indexer is not None:  # CSA: the indexer's top-k of the valid keys (-1 padding)
+                ix = a.indexer
+                self._compress(ix.compressor, h, st.indexer, freq)
+                iq = be.linear(qr[:, 0], ix.wq_b).view(b, cfg.index_n_heads, cfg.index_head_dim)
+                iq = be.apply_rope(iq, cos, sin)             # cos [B, 1, rd/2] over the index heads
+                indices = be.indexer_topk(iq, st.indexer.store, be.linear(h[:, 0], ix.weights_proj),
+                                          cfg.index_topk, count)
+            else:  # HCA: every valid entry, -1 past a slot's count (the store's rows are fixed)
+                rows = torch.arange(cs.store.shape[1], dtype=torch.int32, device=h.device)[None]
+                indices = torch.where(rows < count[:, None], rows, -1)
+        out = be.decode_attention(q[:, 0], st.window, window_len, entries, indices, a.sink, cfg.head_dim ** -0.5)
+        return out[:, None]
+
+    def _compress(self, cw: CompressorWeights, h, cs: CompressorState, freq) -> None:
+        """Put each slot's token in its open window; pool the window and write its entry to row
+        ``pos // ratio`` whether or not it closes now (only a closed window's row is ever read; an open one's
+        is overwritten when it closes); the overlap half moves on only where the window closes."""
+        be, pos, ratio = self.be, self.pos, cs.ratio
+        b = h.shape[0]
+        kv, gate = be.linear(h, cw.wkv), be.linear(h, cw.wgate)       # [B, 1, C] float32
+        slot = (pos % ratio).view(b, 1, 1).expand(b, 1, kv.shape[-1])
+        cs.pending_kv.scatter_(1, slot, kv.to(cs.pending_kv.dtype))
+        cs.pending_gate.scatter_(1, slot, gate.to(cs.pending_gate.dtype))
+        prev = (cs.prev_kv, cs.prev_gate) if cs.overlap else None
+        pooled, last = be.compress_windows(cs.pending_kv[:, None], cs.pending_gate[:, None], cw.ape,
+                                           overlap=cs.overlap, prev=prev)   # [B, 1, d]
+        if cs.overlap:
+            closes = (torch.remainder(pos + 1, ratio) == 0).view(b, 1, 1)
+            cs.prev_kv.copy_(torch.where(closes, last[0], cs.prev_kv))
+            cs.prev_gate.copy_(torch.where(closes, last[1], cs.prev_gate))
+        w = torch.div(pos, ratio, rounding_mode="floor")
+        cos, sin = _entries_rope(be, ratio, w[:, None], freq)
+        entry = be.apply_rope(be.rms_norm(pooled, cw.norm, self.cfg.rms_norm_eps), cos, sin)
+        cs.store.scatter_(1, w.view(b, 1, 1).expand(b, 1, entry.shape[-1]), entry.to(cs.store.dtype))

@@ -1,0 +1,67 @@
+"""``bench/e2e_bench.py`` parts that need no GPU: its arguments, the expected number of experts a batch touches,
+and the bytes floor read from a converted checkpoint's headers (against the weights the runtime loads)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nvfp4_megamoe.runtime import ModelConfig, load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import e2e_bench  # noqa: E402
+
+EXPERT_FIELDS = ("w13", "w13_scale", "w13_alpha", "w2", "w2_scale", "w2_alpha")
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor reachable from a weights dataclass."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if dataclasses.is_dataclass(obj):
+        return sum(tensor_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return 0
+
+
+def test_arguments_and_their_defaults():
+    args = e2e_bench.parse_args(["--checkpoint", "/tmp/x"])
+    assert (args.batches, args.contexts) == ([1, 8, 32, 128], [4096, 65536])
+    assert args.out == e2e_bench.DEFAULT_OUT and args.preset is None
+    args = e2e_bench.parse_args(["--checkpoint", "/tmp/x", "--batches", "2", "--contexts", "512", "--steps", "3"])
+    assert (args.batches, args.contexts, args.steps) == ([2], [512], 3)
+    for bad in (["--batches", "0"], ["--steps", "0"], []):
+        with pytest.raises(SystemExit):
+            e2e_bench.parse_args((["--checkpoint", "/tmp/x"] if bad else []) + bad)
+
+
+def test_expected_experts_is_the_mean_of_distinct_experts_a_batch_picks():
+    assert e2e_bench.expected_experts(64, 6, 1) == pytest.approx(6)
+    gen = torch.Generator().manual_seed(0)
+    for b in (2, 8, 32):
+        trials = [len(torch.cat([torch.randperm(64, generator=gen)[:6] for _ in range(b)]).unique())
+                  for _ in range(400)]
+        assert sum(trials) / len(trials) == pytest.approx(e2e_bench.expected_experts(64, 6, b), rel=0.02)
+    assert e2e_bench.expected_experts(64, 6, 4096) == pytest.approx(64)
+
+
+def test_floor_bytes_from_the_headers_match_the_loaded_weights(synth_checkpoints):
+    out = synth_checkpoints.converted("flash", target="sm90").output
+    config = ModelConfig.from_file(out)
+    sizes = e2e_bench.checkpoint_bytes(out, config)
+    w = load_model(out).weights
+    for i, lw in w.layers.items():
+        experts = sum(getattr(lw.moe, f).nbytes for f in EXPERT_FIELDS)
+        assert sizes["layers"][i]["experts"] == experts
+        assert sizes["layers"][i]["non_expert"] == tensor_bytes(lw) - experts - tensor_bytes(lw.moe.tid2eid)
+    assert sizes["head"] == tensor_bytes(w.head) + w.norm.nbytes + tensor_bytes(w.hc_head)
+    e, k = config.n_routed_experts, config.top_k
+    non_expert = sum(v["non_expert"] for v in sizes["layers"].values()) + sizes["head"]
+    experts = sum(v["experts"] for v in sizes["layers"].values())
+    assert e2e_bench.floor_bytes(sizes, 1) == round(non_expert + experts * k / e)
+    assert e2e_bench.floor_bytes(sizes, 10_000) == non_expert + experts
+    one = e2e_bench.state_read_bytes(config, 1, 4096)
+    assert e2e_bench.state_read_bytes(config, 8, 4096) == 8 * one > e2e_bench.state_read_bytes(config, 8, 1024)
