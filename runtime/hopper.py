@@ -238,7 +238,7 @@ class HopperBackend(ReferenceBackend):
         for lw in layers:
             self._moe_layer(lw.moe, cfg.top_k, cfg.swiglu_limit, dev)
             a = lw.attn
-            for _, w in _nvfp4_linears(lw):
+            for w in _nvfp4_linears(lw):
                 rows = w.weight.shape[0] // cfg.o_groups if w is a.wo_a else w.weight.shape[0]
                 if rows % 128 == 0 or w is not a.wo_a:  # wo_a's groups of whole scale atoms (grouped_linear)
                     self._linear_ready(rows, 2 * w.weight.shape[1], dev)
@@ -255,11 +255,10 @@ class HopperBackend(ReferenceBackend):
             sm90_indexer.warmup(cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, dev)
 
 
-def _nvfp4_linears(lw) -> list[tuple[str, Nvfp4Linear]]:
+def _nvfp4_linears(lw) -> list[Nvfp4Linear]:
     """Every NVFP4 linear of a layer's attention and shared expert (what ``linear`` / ``grouped_linear`` launch)."""
     a, shared = lw.attn, lw.moe.shared
-    found = [("wq_a", a.wq_a), ("wq_b", a.wq_b), ("wkv", a.wkv), ("wo_a", a.wo_a), ("wo_b", a.wo_b)]
+    found = [a.wq_a, a.wq_b, a.wkv, a.wo_a, a.wo_b, shared.w13, shared.w1, shared.w3, shared.w2]
     if a.indexer is not None:
-        found.append(("indexer.wq_b", a.indexer.wq_b))
-    found += [(name, getattr(shared, name, None)) for name in ("w13", "w1", "w3", "w2")]
-    return [(name, w) for name, w in found if isinstance(w, Nvfp4Linear)]
+        found.append(a.indexer.wq_b)
+    return [w for w in found if isinstance(w, Nvfp4Linear)]
