@@ -195,7 +195,7 @@ def humming_layer(w: dict, h: int, i: int, e: int, k: int):
 
 
 def variant_layer(model: str, spec: dict, max_tokens: int) -> Sm90Nvfp4Moe:
-    """Our layer of ``model``, configured by ``spec``: ``weight_tiles`` (w13 and w2 in Hopper row tiles, converter
+    """The project's layer of ``model``, configured by ``spec``: ``weight_tiles`` (w13 and w2 in Hopper row tiles, converter
     ``--target sm90``), ``wgmma`` (force a path), and ``l1`` / ``l2`` / ``both``: tiling fields replaced in the
     heuristics' plan (``sm90_config.replace_tilings``). ``{}`` is the shipped configuration on row-major weights."""
     spec = dict(spec)
