@@ -49,7 +49,6 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from . import e2m1_registers as e2m1r
 from . import sm90_ptx as ptx
-from .cute_host import expect
 from .sm90_config import K_TILE, GemmProblem, MmaTiling
 from .sm90_nvfp4_gemm_parts import BC_X_LOG2, Nvfp4GemmParts, problem_violations
 
@@ -110,17 +109,11 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
     ``zero`` is the float32 output an L1 (``"swiglu"``) kernel zeroes for the L2 that follows (``out`` of L2).
     """
 
-    @staticmethod
-    def can_implement(problem: GemmProblem, tiling: MmaTiling) -> bool:
-        return not mma_violations(problem, tiling)
+    violations = staticmethod(mma_violations)
+    family = "mma.sync"
 
     def __init__(self, problem: GemmProblem, tiling: MmaTiling):
-        bad = mma_violations(problem, tiling)
-        expect(not bad, f"mma.sync NVFP4 GEMM {problem}, {tiling}: " + "; ".join(bad))
-        self.set_problem(problem)
-        self.tiling = tiling
-        self.bn = tiling.tile_tokens
-        self.nb = tiling.tile_tokens // 8
+        self.configure(problem, tiling)
         self.warps, self.row_tiles = WARPS, tiling.row_tiles
         self.bm = WARPS * 16 * tiling.row_tiles
         self.k_warps = tiling.k_warps
@@ -144,9 +137,6 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
         b_depth = 2 if self.nb == 1 and not self.stage_x else 0
         self.b_depth = 0 if b_depth and self.depth % b_depth else b_depth
         self.ids_first = True  # the scatter epilogue loads every column's token and weight first (``epilogue``)
-
-    def key(self) -> tuple:
-        return (self.problem, self.tiling)
 
     @cute.jit
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,

@@ -38,7 +38,6 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from . import e2m1_registers as e2m1r
 from . import sm90_ptx as ptx
-from .cute_host import expect
 from .row_tiles import ROWS, TILE_BYTES
 from .sm90_config import K_TILE, WIDTH_STEP, GemmProblem, WgmmaTiling
 from .sm90_nvfp4_gemm_parts import Nvfp4GemmParts, problem_violations
@@ -96,17 +95,11 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
     overlaps the other's MMAs.
     """
 
-    @staticmethod
-    def can_implement(problem: GemmProblem, tiling: WgmmaTiling) -> bool:
-        return not wgmma_violations(problem, tiling)
+    violations = staticmethod(wgmma_violations)
+    family = "WGMMA"
 
     def __init__(self, problem: GemmProblem, tiling: WgmmaTiling):
-        bad = wgmma_violations(problem, tiling)
-        expect(not bad, f"WGMMA NVFP4 GEMM {problem}, {tiling}: " + "; ".join(bad))
-        self.set_problem(problem)
-        self.tiling = tiling
-        self.bn = tiling.tile_tokens
-        self.nb = tiling.tile_tokens // 8
+        self.configure(problem, tiling)
         self.min_tokens = tiling.min_tokens or tiling.tile_tokens
         self.width_step = WIDTH_STEP
         self.wgs = tiling.warpgroups
@@ -133,9 +126,6 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
     def smem_bytes(self) -> int:
         """Shared memory a CTA asks for: the stage ring and room to align it to 1024 bytes (the swizzle atoms)."""
         return self.stages * self.stage_bytes + 2048
-
-    def key(self) -> tuple:
-        return (self.problem, self.tiling)
 
     @property
     def compile_cost(self) -> int:

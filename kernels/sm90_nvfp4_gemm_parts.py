@@ -2,13 +2,15 @@
 problem's static attributes, where a lane's weight words and block scales are, the register decode of a k-tile of
 weights, and the epilogues (SwiGLU, routed scatter-add, store). Layout contract: ``sm90_moe_gemm``.
 
-A kernel class mixes :class:`Nvfp4GemmParts` in, calls :meth:`Nvfp4GemmParts.set_problem` from its constructor and
-sets the tiling attributes the epilogue reads (``row_tiles``, ``block_columns``, ``ids_first``, ``epi_scale``).
+A kernel class mixes :class:`Nvfp4GemmParts` in, names its rules (``violations``, ``family``), calls
+:meth:`Nvfp4GemmParts.configure` from its constructor and sets the tiling attributes the epilogue reads
+(``row_tiles``, ``block_columns``, ``ids_first``, ``epi_scale``).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import cutlass
 import cutlass.cute as cute
@@ -18,7 +20,8 @@ from . import k_order
 from . import sm90_ptx as ptx
 from . import e2m1_registers as e2m1r
 from .row_tiles import ROWS, TILE_BYTES
-from .sm90_config import GEMM_MODES, K_TILE, GemmProblem
+from .cute_host import expect
+from .sm90_config import GEMM_MODES, K_TILE, GemmProblem, Tiling
 from .swizzle import swizzled_nbytes
 
 # block_columns: activations ride the MMA as x * 2**BC_X_LOG2, so that products with the unscaled decoded weights
@@ -45,6 +48,26 @@ def problem_violations(problem: GemmProblem) -> list[str]:
 
 class Nvfp4GemmParts:
     """Weight addressing, decode and epilogues of an NVFP4 grouped GEMM (module docstring)."""
+
+    violations: Callable[[GemmProblem, Tiling], list[str]]  # the family's rules: what it does not take
+    family: str                                           # its name in errors
+
+    @classmethod
+    def can_implement(cls, problem: GemmProblem, tiling: Tiling) -> bool:
+        """Whether the kernel takes this configuration (nothing is built)."""
+        return not cls.violations(problem, tiling)
+
+    def configure(self, problem: GemmProblem, tiling: Tiling) -> None:
+        """Check the configuration (a ``KernelArgumentError`` naming every broken rule) and take its attributes."""
+        bad = type(self).violations(problem, tiling)
+        expect(not bad, f"{self.family} NVFP4 GEMM {problem}, {tiling}: " + "; ".join(bad))
+        self.tiling = tiling
+        self.bn = tiling.tile_tokens
+        self.nb = tiling.tile_tokens // 8
+        self.set_problem(problem)
+
+    def key(self) -> tuple:
+        return (self.problem, self.tiling)
 
     def set_problem(self, problem: GemmProblem) -> None:
         self.problem = problem
