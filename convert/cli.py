@@ -18,6 +18,7 @@ import click
 from nvfp4_megamoe import __version__
 
 from nvfp4_megamoe.errors import Nvfp4MegamoeError
+from nvfp4_megamoe.input_files import folder_problem
 
 from .hashing import hash_ahead
 from .options import DEFAULT_SHARD_SIZE, TARGETS
@@ -220,7 +221,7 @@ def inspect_cmd(path: Path, as_json: bool) -> None:
 
 
 @main.command("verify")
-@click.argument("out", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("out", type=click.Path(path_type=Path))
 @click.option("--source", type=click.Path(path_type=Path), default=None,
               help="Source checkpoint folder for the round trip (default: the local path the manifest recorded).")
 @click.option("--structure-only", is_flag=True,
@@ -238,6 +239,9 @@ def verify_cmd(out: Path, source: Path | None, structure_only: bool, json_path: 
     if json_path is not None and not json_path.parent.is_dir():
         raise click.BadParameter(f"the folder {json_path.parent} does not exist; create it first (verify writes "
                                  "only the report file)", param_hint="--json")
+    problem = folder_problem(out)
+    if problem is not None:  # answered before torch is imported
+        _fail(f"{out}: {problem}. Give the folder a conversion wrote (nvfp4-convert convert SOURCE {out}).")
     from .verify import format_report, verify_checkpoint
 
     try:

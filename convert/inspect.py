@@ -11,7 +11,7 @@ from nvfp4_megamoe.runtime.config import config_int
 from nvfp4_megamoe.runtime.format import MANIFEST_FILE, read_manifest
 
 from .errors import PlanError, SourceError, shown
-from .plan import classify
+from .classify import classify
 from .source import LocalSource
 
 # Source variant, detected from the formats the routed-expert rules found (never from config alone).

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from nvfp4_megamoe.input_files import file_kind, read_json_object
+from nvfp4_megamoe.input_files import file_kind, folder_problem, read_json_object
 from nvfp4_megamoe.kernels.row_tiles import untile_rows
 from nvfp4_megamoe.kernels.scales import E4M3_NAN_BYTES
 from nvfp4_megamoe.kernels.swizzle import swizzle_padding
@@ -47,7 +47,8 @@ from .errors import ConvertError, shown
 from .options import DEFAULT_SHARD_SIZE, Options
 from .plan import Plan, make_plan
 from .safetensors_header import DTYPES, TensorInfo, tensor_from_bytes
-from .source import LocalSource, ValueScreen
+from .source import LocalSource
+from .value_screen import ValueScreen
 from .units import FusedMatrices, Passthrough
 from .verify_roundtrip import BOUNDS, CHECKS, Item, UnitCheck, bound_violations, manifest_disagreement, scale_cols
 from .verify_structure import Layout, check_against_config, check_files, nvfp4_groups
@@ -472,8 +473,9 @@ def verify_checkpoint(out: str | os.PathLike, source: str | os.PathLike | None =
     ``workers`` threads check groups in parallel (the report does not depend on it).
     """
     out = Path(out)
-    if not out.is_dir():
-        raise FileNotFoundError(f"{out}: no such folder")
+    problem = folder_problem(out)
+    if problem is not None:
+        raise FileNotFoundError(f"{out}: {problem}")
     rep = VerifyReport(str(out))
     lay = check_files(out, rep.fail, rep.warnings.append)
     if lay.manifest is None:
