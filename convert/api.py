@@ -35,7 +35,8 @@ from nvfp4_megamoe.runtime.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FIL
                                           ROW_TILES_FORMAT_VERSION)
 
 from .errors import ConvertError, OutputError, SourceError
-from .hub import HubSource, looks_like_repo_id
+from .hub import HubSource
+from .locate import open_source
 from .options import DEFAULT_SHARD_SIZE, Options
 from .output_folder import check_output
 from .plan import Plan, make_plan
@@ -78,17 +79,6 @@ class ConvertResult:
     plan: Plan
     manifest: dict
     skipped_shards: int = 0
-
-
-def open_source(source: str | os.PathLike, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None,
-                staging_dir: str | os.PathLike | None = None, progress: bool = False) -> Source:
-    """A local checkpoint folder, or a Hub repository id (``owner/name``) at ``revision``."""
-    text = os.fspath(source)
-    if looks_like_repo_id(text):
-        return HubSource(text, revision, cache_dir=cache_dir, staging_dir=staging_dir, progress=progress)
-    if revision is not None:
-        raise SourceError(f"{text}: --revision applies to Hub repositories (owner/name), and this is a local path")
-    return LocalSource(text)
 
 
 # ---------------------------------------------------------------------------------------- output folder

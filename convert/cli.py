@@ -207,14 +207,16 @@ def _demo(src: Path, out: Path, variant: str):
 
 
 @main.command("inspect")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def inspect_cmd(path: Path, as_json: bool) -> None:
-    """Summarise a source or converted checkpoint."""
+@click.option("--revision", default=None, help="Hub repositories: branch, tag or commit.")
+def inspect_cmd(path: str, as_json: bool, revision: str | None) -> None:
+    """Summarise a source or converted checkpoint: a folder, or a Hub repo id owner/name (only config.json, the
+    index, the manifest and the shard headers are fetched, never a shard)."""
     from .inspect import format_summary, inspect_checkpoint
 
     try:
-        s = inspect_checkpoint(path)
+        s = inspect_checkpoint(path, revision=revision)
     except REFUSALS as exc:
         _fail(exc)
     click.echo(json.dumps(s, indent=1) if as_json else format_summary(s))

@@ -1,4 +1,9 @@
-"""``inspect``: summarise a source or converted checkpoint (variant, tensor families, dtypes, bytes)."""
+"""``inspect``: summarise a source or converted checkpoint (variant, tensor families, dtypes, bytes).
+
+A local folder or a Hub repository (``owner/name``, through ``huggingface_hub``): from the Hub only
+``config.json``, the index, a converted checkpoint's manifest and each shard's header (ranged reads) are fetched,
+never a shard. No tensor is read, and torch is not imported.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,9 @@ from nvfp4_megamoe.input_files import file_kind
 from nvfp4_megamoe.runtime.config import config_int
 from nvfp4_megamoe.runtime.format import MANIFEST_FILE, read_manifest
 
-from .errors import PlanError, SourceError, shown
 from .classify import classify
+from .errors import PlanError, SourceError, shown
+from .locate import Source, open_source
 from .source import LocalSource
 
 # Source variant, detected from the formats the routed-expert rules found (never from config alone).
@@ -25,7 +31,7 @@ VARIANTS = {
 }
 
 
-def _dtype_table(src: LocalSource) -> dict[str, dict[str, int]]:
+def _dtype_table(src: Source) -> dict[str, dict[str, int]]:
     counts: Counter = Counter()
     nbytes: Counter = Counter()
     for t in src.tensors.values():
@@ -43,17 +49,26 @@ def _converted_family(name: str, manifest: dict) -> str:
     return "dense NVFP4 linears"
 
 
-def inspect_checkpoint(path: str | Path) -> dict:
-    """A JSON-able summary of the checkpoint at ``path``."""
-    src = LocalSource(path)
+def _manifest(src: Source) -> dict | None:
+    """The manifest of a converted checkpoint (None for a source checkpoint)."""
+    local = isinstance(src, LocalSource)
+    if (file_kind(src.root / MANIFEST_FILE) is None) if local else (MANIFEST_FILE not in src.extra_files()):
+        return None
     try:
-        summary: dict = {"path": str(path), "files": len(src.files), "tensors": len(src.tensors),
+        return read_manifest(src.extra_file_path(MANIFEST_FILE).parent)  # a Hub manifest: downloaded to the cache
+    except FormatError as exc:
+        raise SourceError(str(exc), path=exc.path) from None
+
+
+def inspect_checkpoint(path: str | Path, revision: str | None = None) -> dict:
+    """A JSON-able summary of the checkpoint at ``path``: a local folder, or a Hub repo id (``owner/name``) at
+    ``revision`` (headers only)."""
+    src = open_source(path, revision=revision)
+    try:
+        summary: dict = {"path": src.description, "files": len(src.files), "tensors": len(src.tensors),
                          "bytes": sum(t.info.nbytes for t in src.tensors.values()), "dtypes": _dtype_table(src)}
-        if file_kind(Path(path) / MANIFEST_FILE) is not None:
-            try:
-                manifest = read_manifest(path)
-            except FormatError as exc:
-                raise SourceError(str(exc), path=exc.path) from None
+        manifest = _manifest(src)
+        if manifest is not None:
             families = Counter(_converted_family(n, manifest) for n in src.tensors)
             lossy = [n for n, e in manifest.get("tensors", {}).items() if not e.get("lossless", True)]
             record = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
@@ -71,7 +86,7 @@ def inspect_checkpoint(path: str | Path) -> dict:
             layers = config_int(src.config, "num_hidden_layers", 0, minimum=0)
             experts = config_int(src.config, "n_routed_experts", 0, minimum=0)
         except FormatError as exc:
-            raise SourceError(f"{Path(path) / 'config.json'}: {str(exc).removeprefix('config.json: ')}") from None
+            raise SourceError(f"{src.description}/config.json: {str(exc).removeprefix('config.json: ')}") from None
         summary.update(kind="source", variant=VARIANTS.get(fmts, f"unknown mix {sorted(fmts)}"),
                        families=dict(sorted(counts.items())), layers=layers, experts=experts)
         return summary
