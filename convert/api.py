@@ -38,6 +38,7 @@ from .errors import ConvertError, OutputError, SourceError
 from .hub import HubSource
 from .locate import open_source
 from .options import DEFAULT_SHARD_SIZE, Options
+from .output_config import write_extra_files
 from .output_folder import check_output
 from .plan import Plan, make_plan
 from .resume import JOURNAL_FILE, Journal, checked_progress, identity_differences, restore_unit, unit_results, write_atomic
@@ -302,8 +303,7 @@ def _finish(src: Source, plan: Plan, out: Path, writer: ShardWriter, source_file
         raise ConvertError(f"{out}: the manifest would hold a non-finite number ({exc}); a value check missed a "
                            "corrupt source value. Nothing complete was written; report this.") from None
     try:
-        for name in src.extra_files():
-            shutil.copyfile(src.extra_file_path(name), out / name)
+        write_extra_files(src, out, plan)
         write_atomic(out / MANIFEST_FILE, text.encode())
         index = {"metadata": {"total_size": plan.total_bytes},
                  "weight_map": {o.name: writer.names[writer.where[o.name][0]] for o in plan.outputs}}

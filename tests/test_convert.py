@@ -20,6 +20,7 @@ from nvfp4_megamoe.convert.api import convert_checkpoint
 from nvfp4_megamoe.convert.cli import main
 from nvfp4_megamoe.convert.errors import OutputError, PlanError
 from nvfp4_megamoe.convert.inspect import inspect_checkpoint
+from nvfp4_megamoe.convert.output_config import source_config
 from nvfp4_megamoe.convert.synth import write_synthetic
 
 VARIANTS = ("flash", "pro", "base", "modelopt")
@@ -155,8 +156,11 @@ def test_index_shards_and_metadata(converted, variant):
             meta = h.metadata()
             assert meta["format"] == "pt" and meta["nvfp4_format_version"] == "1"
             assert set(h.keys()) == {n for n, g in out.weight_map.items() if g == f}
-    for copied in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert (out.root / copied).read_bytes() == (Path(manifest["source"]["path"]) / copied).read_bytes()
+    source = Path(manifest["source"]["path"])
+    for copied in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out.root / copied).read_bytes() == (source / copied).read_bytes()
+    # config.json: the source's, with a format-1 quantization_config (tests/test_output_config.py)
+    assert source_config(json.loads((out.root / "config.json").read_text())) == json.loads((source / "config.json").read_text())
 
 
 def test_dense_fp8_requantized_with_measured_error(converted):
