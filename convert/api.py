@@ -222,7 +222,7 @@ def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int
             run.append(unit)
     needs = [sorted({src.tensors[n].file for n in u.sources}) for u in run]
     todo = sum(o.nbytes for u in run for o in u.outputs)
-    bar = tqdm(total=todo, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress,
+    bar = tqdm(total=todo, unit="B", unit_scale=True, unit_divisor=1000, desc="convert", disable=not progress,
                smoothing=0.1)
     stager = Stager(src, needs, ahead=None if keep_source else STAGED_AHEAD, threads=2,
                     on_fetched=hashes.start, before_release=hashes.wait)
