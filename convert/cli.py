@@ -22,7 +22,6 @@ from nvfp4_megamoe.input_files import folder_problem
 
 from .hashing import hash_ahead
 from .options import DEFAULT_SHARD_SIZE, TARGETS
-from .resume import JOURNAL_FILE
 from .summary import counted, matrix_counts, matrix_line, tensor_kind, tensor_kinds, tensor_line
 from .synth_config import PRESETS, VARIANTS
 
@@ -117,6 +116,8 @@ class _Commands(click.Group):
 
 def _interrupted(out: Path) -> None:
     """Ctrl-C during ``convert``: what ``out`` keeps and the command that continues."""
+    from .resume import JOURNAL_FILE
+
     if (out / JOURNAL_FILE).is_file():
         click.echo(f"\ninterrupted: {out} keeps the finished shards and the progress journal. Run the same command "
                    f"with --resume to continue, or remove {out} to start over.", err=True)

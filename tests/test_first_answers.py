@@ -30,7 +30,7 @@ def test_answers_that_need_no_tensor_math_come_before_torch(tmp_path_factory, tm
     assert "inspect" in by["--help"]["output"] and by["--help"]["exit_code"] == 0
     inspected = [r for r in runs if r["args"][0] == "inspect"]
     assert all(r["exit_code"] == 0 for r in inspected), inspected
-    assert "converted" in inspected[0]["output"] and "official DeepSeek-V4" in inspected[1]["output"]
+    assert "format 1, canonical layout" in inspected[0]["output"] and "official DeepSeek-V4" in inspected[1]["output"]
     assert json.loads(inspected[2]["output"])["tensors"] > 0
     refusals = [r for r in runs if r["args"][0] in ("convert", "verify")]
     for r in refusals:
