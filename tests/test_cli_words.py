@@ -32,7 +32,10 @@ def test_the_readme_python_snippet_runs_as_written(tmp_path_factory, tmp_path, m
     names: dict = {}
     exec(compile(_readme_python(), "README.md", "exec"), names)  # noqa: S102 - the documented code, as a user runs it
     vocab = names["model"].config.vocab_size
-    assert tuple(names["logits"].shape) == (1, 4, vocab) and tuple(names["next_logits"].shape) == (1, vocab)
+    logits, next_logits = names["logits"], names["next_logits"]
+    assert tuple(logits.shape) == (*names["input_ids"].shape, vocab)
+    assert tuple(next_logits.shape) == (len(names["next_ids"]), vocab)
+    assert bool(logits.isfinite().all()) and bool(next_logits.isfinite().all())
 
 
 def test_convert_inspect_and_verify_count_in_the_same_words(tmp_path_factory, tmp_path):
