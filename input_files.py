@@ -44,6 +44,15 @@ def file_kind(path: PathLike) -> str | None:
         return f"unreadable ({exc.strerror})"
 
 
+def folder_problem(path: PathLike) -> str | None:
+    """None when ``path`` is a folder (symbolic links followed), else what is wrong, in words: "no such folder",
+    "is a regular file, not a folder"."""
+    kind = file_kind(path)
+    if kind == "a folder":
+        return None
+    return "no such folder" if kind is None else f"is {kind}, not a folder"
+
+
 def not_regular(path: PathLike, kind: str, error: ErrorType = NotRegularFileError) -> Nvfp4MegamoeError:
     """The error for ``path`` being ``kind`` where a regular file is needed."""
     return error(f"{path}: is {kind}, not a regular file; refusing to read it (a FIFO or device could block "

@@ -25,28 +25,31 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-import torch
 from tqdm.auto import tqdm
 
 from nvfp4_megamoe import __version__
-from nvfp4_megamoe.input_files import file_kind, inside, read_json_object
+from nvfp4_megamoe.input_files import file_kind
 from nvfp4_megamoe.runtime.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE,
                                           ROW_TILES_FORMAT_VERSION)
 
 from .errors import ConvertError, OutputError, SourceError
-from .hub import HubSource, looks_like_repo_id
+from .hub import HubSource
+from .locate import open_source
 from .options import DEFAULT_SHARD_SIZE, Options
+from .output_config import write_extra_files
+from .output_folder import check_output
 from .plan import Plan, make_plan
-from .resume import (JOURNAL_FILE, Journal, checked_progress, identity_differences, restore_unit, source_identity,
-                     unit_results, write_atomic)
+from .resume import JOURNAL_FILE, Journal, checked_progress, identity_differences, restore_unit, unit_results, write_atomic
 from .memory import MEMORY_BUDGET, TRIM_AFTER, MemoryBudget, release_memory, working_bytes
 from .source import LocalSource
 from .source_hashes import SourceHashes
 from .staging import Stager
 from .hashing import sha256_file
-from .writer import ShardWriter
+
+if TYPE_CHECKING:  # torch: imported once the plan is made (the output-folder checks come first, without it)
+    from .writer import ShardWriter
 
 __all__ = ["ConvertResult", "convert_checkpoint", "open_source", "write_atomic", "DEFAULT_WORKERS"]
 
@@ -79,17 +82,6 @@ class ConvertResult:
     skipped_shards: int = 0
 
 
-def open_source(source: str | os.PathLike, *, revision: str | None = None, cache_dir: str | os.PathLike | None = None,
-                staging_dir: str | os.PathLike | None = None, progress: bool = False) -> Source:
-    """A local checkpoint folder, or a Hub repository id (``owner/name``) at ``revision``."""
-    text = os.fspath(source)
-    if looks_like_repo_id(text):
-        return HubSource(text, revision, cache_dir=cache_dir, staging_dir=staging_dir, progress=progress)
-    if revision is not None:
-        raise SourceError(f"{text}: --revision applies to Hub repositories (owner/name), and this is a local path")
-    return LocalSource(text)
-
-
 # ---------------------------------------------------------------------------------------- output folder
 
 
@@ -97,28 +89,6 @@ def open_source(source: str | os.PathLike, *, revision: str | None = None, cache
 class Prepared:
     journal: Journal
     done: dict[str, tuple[int, str]]
-    complete: dict | None = None  # the existing manifest when a resumed folder is already finished
-
-
-def _manifest_of(out: Path) -> dict | None:
-    try:
-        return read_json_object(out / MANIFEST_FILE, "", OutputError)
-    except ConvertError:
-        return None
-
-
-def _check_places(out: Path, src: Source) -> None:
-    """Refuse an output folder that is, or lies inside, the source folder, or holds it (the source is never
-    modified, and a conversion must not mix with it)."""
-    if not isinstance(src, LocalSource):
-        return
-    if inside(out, src.root):
-        where = "is the source folder" if out.resolve() == src.root.resolve() else f"lies inside the source folder {src.root}"
-        raise OutputError(f"{out}: the output folder {where}; choose a folder outside the source (the source is never "
-                          "modified, and a checkpoint folder must not hold another).", path=out)
-    if inside(src.root, out):
-        raise OutputError(f"{out}: the output folder holds the source folder {src.root}; choose a folder outside it.",
-                          path=out)
 
 
 def _create(out: Path, journal: Journal) -> None:
@@ -131,37 +101,14 @@ def _create(out: Path, journal: Journal) -> None:
 
 
 def prepare_output(out: Path, src: Source, plan: Plan, resume: bool) -> Prepared:
-    """Create ``out``, or check the unfinished run in it (``resume``); refuse anything else."""
-    _check_places(out, src)
+    """Create ``out``, or check the unfinished run in it (``resume``); ``out`` has passed
+    :func:`~.output_folder.check_output`."""
     identity = Journal.identity_for(src.record(), {f: src.stamp(f) for f in src.files}, plan)
     journal = Journal(out, identity)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a folder", path=out)
-    if file_kind(out / INDEX_FILE) is not None:
-        old = _manifest_of(out)
-        same = (old is not None and old.get("options_sha256") == plan.options.digest()
-                and isinstance(old.get("source"), dict) and isinstance(old["source"].get("files"), dict)
-                and source_identity(old["source"]) == source_identity(src.record())
-                and old["source"]["files"].keys() == set(src.files))
-        if resume and same:
-            return Prepared(journal, {}, complete=old)
-        what = "the same source and options" if same else "a different conversion (other source or options)"
-        raise OutputError(f"{out}: already holds a finished conversion of {what}. Choose another folder, or remove "
-                          "it first" + (" (or pass --resume to accept it as done)." if same else "."), path=out)
     data = Journal.load(out) if out.is_dir() else None
     if data is None:
-        if out.exists() and any(out.iterdir()):
-            if file_kind(out / MANIFEST_FILE) is not None:
-                raise OutputError(f"{out}: already holds a conversion manifest. Choose another folder, or remove it "
-                                  "first.", path=out)
-            hint = " (there is no progress journal, so there is nothing to resume)" if resume else ""
-            raise OutputError(f"{out}: is not empty{hint}; refusing to mix a conversion with other files. "
-                              "Choose an empty folder.", path=out)
         _create(out, journal)
         return Prepared(journal, {})
-    if not resume:
-        raise OutputError(f"{out}: holds an unfinished conversion ({JOURNAL_FILE}). Run again with --resume to finish "
-                          f"it; to start over, remove {out} or choose an empty folder.", path=out)
     reasons = identity_differences(data["identity"], identity)
     if reasons:
         raise OutputError(f"{out}: --resume refused: the unfinished conversion there is not this run: "
@@ -242,6 +189,8 @@ def _threads_per_unit(workers: int) -> Iterator[None]:
     Units already run in parallel; more torch threads than cores would only contend (idle OpenMP threads
     spin), so a 2-core machine runs each unit's torch ops on its own thread.
     """
+    import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (max(1, workers) + 1)))
     try:
@@ -252,6 +201,8 @@ def _threads_per_unit(workers: int) -> Iterator[None]:
 
 def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int, keep_source: bool,
              progress: bool, direct_io: bool) -> tuple[ShardWriter, dict, int]:
+    from .writer import ShardWriter
+
     journal = prep.journal
     # Two hashing threads: one for source files (ahead of the conversion, which it also warms the page
     # cache for), one for output shards as they fill (so a digest is ready when its shard is).
@@ -271,7 +222,7 @@ def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int
             run.append(unit)
     needs = [sorted({src.tensors[n].file for n in u.sources}) for u in run]
     todo = sum(o.nbytes for u in run for o in u.outputs)
-    bar = tqdm(total=todo, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress,
+    bar = tqdm(total=todo, unit="B", unit_scale=True, unit_divisor=1000, desc="convert", disable=not progress,
                smoothing=0.1)
     stager = Stager(src, needs, ahead=None if keep_source else STAGED_AHEAD, threads=2,
                     on_fetched=hashes.start, before_release=hashes.wait)
@@ -352,8 +303,7 @@ def _finish(src: Source, plan: Plan, out: Path, writer: ShardWriter, source_file
         raise ConvertError(f"{out}: the manifest would hold a non-finite number ({exc}); a value check missed a "
                            "corrupt source value. Nothing complete was written; report this.") from None
     try:
-        for name in src.extra_files():
-            shutil.copyfile(src.extra_file_path(name), out / name)
+        write_extra_files(src, out, plan)
         write_atomic(out / MANIFEST_FILE, text.encode())
         index = {"metadata": {"total_size": plan.total_bytes},
                  "weight_map": {o.name: writer.names[writer.where[o.name][0]] for o in plan.outputs}}
@@ -390,14 +340,16 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
     src = open_source(source, revision=revision, cache_dir=cache_dir,
                       staging_dir=None if keep_source else out / STAGING_DIR, progress=progress)
     try:
-        plan = make_plan(src, Options(dense=dense, shard_size=shard_size, target=target))
+        options = Options(dense=dense, shard_size=shard_size, target=target)
+        finished = None if dry_run else check_output(out, src, options, resume)
+        plan = make_plan(src, options)
         if on_plan is not None:
             on_plan(plan)
         if dry_run:
             return ConvertResult(out, plan, {})
+        if finished is not None:
+            return ConvertResult(out, plan, finished, skipped_shards=len(plan.shards))
         prep = prepare_output(out, src, plan, resume)
-        if prep.complete is not None:
-            return ConvertResult(out, plan, prep.complete, skipped_shards=len(plan.shards))
         try:
             with _threads_per_unit(workers):
                 writer, source_files, skipped = _execute(src, plan, out, prep, workers=workers,

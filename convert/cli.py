@@ -18,9 +18,12 @@ import click
 from nvfp4_megamoe import __version__
 
 from nvfp4_megamoe.errors import Nvfp4MegamoeError
+from nvfp4_megamoe.input_files import folder_problem
 
 from .hashing import hash_ahead
 from .options import DEFAULT_SHARD_SIZE, TARGETS
+from .summary import counted, matrix_counts, matrix_line, tensor_kind, tensor_kinds, tensor_line
+from .synth_config import PRESETS, VARIANTS
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -52,20 +55,44 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def format_plan(plan: Plan) -> str:
-    """The dry-run report: tensors per rule, outputs per kind, shards and their sizes."""
-    lines = ["source tensors per rule:"]
-    lines += [f"  {rule:32s} {n:7d}" for rule, n in sorted(plan.rule_counts.items())]
-    kinds = Counter("copy" if o.transform == ["copy"] else ("lossless" if o.lossless else "requantized")
-                    for o in plan.outputs)
-    lines.append(f"output tensors: {len(plan.outputs)} ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}), "
-                 f"{_human(plan.total_bytes)} in {len(plan.shards)} shards "
-                 f"(dense: {plan.options.dense}, target: {plan.options.target}, "
-                 f"shard size {_human(plan.options.shard_size)})")
+def _shards(n: int) -> str:
+    return f"{n} shard" + ("" if n == 1 else "s")
+
+
+def format_rules(counts: dict[str, int], title: str = "tensors per rule:") -> list[str]:
+    """The source's tensors per rule of ``convert/rules.py`` (the plan's, or ``inspect``'s of a source)."""
+    return [title] + [f"  {rule:32s} {n:7d}" for rule, n in sorted(counts.items())]
+
+
+def format_outputs(plan: Plan) -> list[str]:
+    """What the plan writes: output tensors (passthrough, converted), bytes, shards."""
+    kinds = Counter(k if k in ("passthrough", "input_scale") else "converted"
+                    for k in (tensor_kind({"transform": o.transform}) for o in plan.outputs))
+    lines = [f"output tensors: {len(plan.outputs)} ({counted(kinds)}), {_human(plan.total_bytes)} in "
+             f"{_shards(len(plan.shards))} (dense: {plan.options.dense}, target: {plan.options.target}, "
+             f"shard size {_human(plan.options.shard_size)})"]
     for i, shard in enumerate(plan.shards):
         lines.append(f"  shard {i + 1:5d}: {len(shard):6d} tensors {_human(sum(o.nbytes for o in shard)):>12s}"
                      f"  {shard[0].name} .. {shard[-1].name}")
-    return "\n".join(lines)
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    """The dry-run report: the source's tensors per rule, then :func:`format_outputs`."""
+    return "\n".join(format_rules(plan.rule_counts, "source tensors per rule:") + format_outputs(plan))
+
+
+def format_result(manifest: dict) -> list[str]:
+    """A finished conversion in the shared nouns (``summary.py``): its NVFP4 matrices and the worst error, and
+    the MXFP4 blocks that were re-rounded."""
+    tensors = manifest["tensors"]
+    line = matrix_line(matrix_counts(tensors))
+    lossy = [(n, e["error"]["rel_fro"]) for n, e in tensors.items() if "error" in e and n.endswith(".weight")]
+    if lossy:
+        worst = max(lossy, key=lambda x: x[1])
+        line += f"; worst relative error {worst[1]:.3e} ({worst[0]})"
+    inexact = sum(e.get("inexact_blocks", 0) for n, e in tensors.items() if n.endswith(".weight"))
+    return [line, f"MXFP4 blocks outside E4M3's exact range (re-rounded, counted in the manifest): {inexact}"]
 
 
 def _fail(exc: Exception | str) -> None:
@@ -75,7 +102,31 @@ def _fail(exc: Exception | str) -> None:
     sys.exit(1)
 
 
-@click.group()
+class _Commands(click.Group):
+    """Ctrl-C ends a command with ``interrupted`` and exit status 130 (128 + SIGINT), not click's ``Aborted!``;
+    ``convert`` says how to resume first."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
+
+
+def _interrupted(out: Path) -> None:
+    """Ctrl-C during ``convert``: what ``out`` keeps and the command that continues."""
+    from .resume import JOURNAL_FILE
+
+    if (out / JOURNAL_FILE).is_file():
+        click.echo(f"\ninterrupted: {out} keeps the finished shards and the progress journal. Run the same command "
+                   f"with --resume to continue, or remove {out} to start over.", err=True)
+    else:
+        click.echo(f"\ninterrupted before anything was written to {out}.", err=True)
+    sys.exit(130)
+
+
+@click.group(cls=_Commands)
 @click.version_option(__version__, prog_name="nvfp4-convert")
 def main() -> None:
     """Convert DeepSeek-V4 checkpoints to kernel-ready NVFP4 (format 1), and check the result."""
@@ -120,26 +171,25 @@ def convert(source: str, out: Path, dense: str, target: str, shard_size: int, dr
                                     direct_io=direct_io)
     except REFUSALS as exc:
         _fail(exc)
+    except KeyboardInterrupt:
+        if dry_run:
+            raise
+        _interrupted(out)
     if dry_run:
         click.echo("dry run: nothing written")
         return
     if result.skipped_shards:
         click.echo(f"resumed: {result.skipped_shards} of {len(result.plan.shards)} shards were already finished")
-    tensors = result.manifest["tensors"]
-    lossy = [(n, e["error"]["rel_fro"]) for n, e in tensors.items() if "error" in e and n.endswith(".weight")]
-    click.echo(f"wrote {len(result.plan.shards)} shards, {len(tensors)} tensors, "
+    click.echo(f"wrote {_shards(len(result.plan.shards))}, {tensor_line(tensor_kinds(result.manifest['tensors']))}, "
                f"{_human(result.plan.total_bytes)} to {out}")
-    if lossy:
-        worst = max(lossy, key=lambda x: x[1])
-        click.echo(f"requantized (lossy) matrices: {len(lossy)}, worst relative error {worst[1]:.3e} ({worst[0]})")
-    inexact = sum(e.get("inexact_blocks", 0) for n, e in tensors.items() if n.endswith(".weight"))
-    click.echo(f"MXFP4 blocks outside E4M3's exact range (re-rounded, counted in the manifest): {inexact}")
+    click.echo("\n".join(format_result(result.manifest)))
 
 
 @main.command()
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--preset", default="tiny", show_default=True, help="Model size preset (tiny, small, ...).")
-@click.option("--variant", type=click.Choice(["flash", "pro", "base", "modelopt", "ct"]), default="flash", show_default=True)
+@click.option("--preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True,
+              help="Model size preset (convert/synth_config.py).")
+@click.option("--variant", type=click.Choice(VARIANTS), default="flash", show_default=True)
 @click.option("--seed", default=0, show_default=True)
 def synth(out: Path, preset: str, variant: str, seed: int) -> None:
     """Write a synthetic DeepSeek-V4 checkpoint in the official on-disk format (no network)."""
@@ -155,7 +205,7 @@ def synth(out: Path, preset: str, variant: str, seed: int) -> None:
 @main.command()
 @click.option("--workdir", type=click.Path(path_type=Path), default=None,
               help="Where to put the source and output (default: a new temporary folder).")
-@click.option("--variant", type=click.Choice(["flash", "pro", "base", "modelopt", "ct"]), default="flash", show_default=True)
+@click.option("--variant", type=click.Choice(VARIANTS), default="flash", show_default=True)
 def demo(workdir: Path | None, variant: str) -> None:
     """Make a tiny synthetic checkpoint, convert it, verify it, run it, and show what happened."""
     workdir = workdir or Path(tempfile.mkdtemp(prefix="nvfp4-demo-"))
@@ -185,15 +235,12 @@ def _demo(src: Path, out: Path, variant: str):
     from .verify import format_report, verify_checkpoint
 
     write_synthetic(src, preset="tiny", variant=variant)
-    click.echo(format_summary(inspect_checkpoint(src)))
+    click.echo(format_summary(inspect_checkpoint(src)))  # with the source's tensors per rule: printed once
     click.echo("")
-    result = convert_checkpoint(src, out, on_plan=lambda p: click.echo(format_plan(p)), progress=False)
+    result = convert_checkpoint(src, out, on_plan=lambda p: click.echo("\n".join(format_outputs(p))), progress=False)
+    click.echo("\n".join(format_result(result.manifest)))
     click.echo("")
     click.echo(format_summary(inspect_checkpoint(out)))
-    weights = {n: e for n, e in result.manifest["tensors"].items() if n.endswith(".weight") and e["transform"] != ["copy"]}
-    exact = sum(e["lossless"] for e in weights.values())
-    click.echo(f"\nNVFP4 matrices: {len(weights)} ({exact} bit-exact, {len(weights) - exact} with measured error: "
-               "requantized from FP8, or MXFP4 blocks out of range)")
     click.echo("")
     report = verify_checkpoint(out, progress=False)
     click.echo(format_report(report))
@@ -206,21 +253,23 @@ def _demo(src: Path, out: Path, variant: str):
 
 
 @main.command("inspect")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def inspect_cmd(path: Path, as_json: bool) -> None:
-    """Summarise a source or converted checkpoint."""
+@click.option("--revision", default=None, help="Hub repositories: branch, tag or commit.")
+def inspect_cmd(path: str, as_json: bool, revision: str | None) -> None:
+    """Summarise a source or converted checkpoint: a folder, or a Hub repo id owner/name (only config.json, the
+    index, the manifest and the shard headers are fetched, never a shard)."""
     from .inspect import format_summary, inspect_checkpoint
 
     try:
-        s = inspect_checkpoint(path)
+        s = inspect_checkpoint(path, revision=revision)
     except REFUSALS as exc:
         _fail(exc)
     click.echo(json.dumps(s, indent=1) if as_json else format_summary(s))
 
 
 @main.command("verify")
-@click.argument("out", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("out", type=click.Path(path_type=Path))
 @click.option("--source", type=click.Path(path_type=Path), default=None,
               help="Source checkpoint folder for the round trip (default: the local path the manifest recorded).")
 @click.option("--structure-only", is_flag=True,
@@ -238,6 +287,9 @@ def verify_cmd(out: Path, source: Path | None, structure_only: bool, json_path: 
     if json_path is not None and not json_path.parent.is_dir():
         raise click.BadParameter(f"the folder {json_path.parent} does not exist; create it first (verify writes "
                                  "only the report file)", param_hint="--json")
+    problem = folder_problem(out)
+    if problem is not None:  # answered before torch is imported
+        _fail(f"{out}: {problem}. Give the folder a conversion wrote (nvfp4-convert convert SOURCE {out}).")
     from .verify import format_report, verify_checkpoint
 
     try:

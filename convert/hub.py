@@ -35,15 +35,9 @@ from .errors import SourceError
 from .safetensors_header import MAX_HEADER_BYTES, Header, header_from_object, read_header
 from .source import INDEX_FILE, SINGLE_FILE, FileReader, locate_tensors, read_json, weight_map_from_index
 
-REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 HEADER_THREADS = 8
-
-
-def looks_like_repo_id(text: str) -> bool:
-    """``owner/name`` that is not an existing local path."""
-    return bool(REPO_ID.match(text)) and not os.path.exists(text) and ".." not in text
 
 
 def _quiet_tqdm():
@@ -57,17 +51,27 @@ def _quiet_tqdm():
     return Quiet
 
 
-def _hub_error(exc: Exception, repo_id: str, revision: str, what: str) -> SourceError:
-    """A one-paragraph SourceError for a huggingface_hub failure."""
+def _named(repo_id: str, revision: str | None) -> str:
+    """``owner/name``, with ``@revision`` only when there is one to name (asked for, or resolved to a commit)."""
+    return f"{repo_id}@{revision}" if revision else repo_id
+
+
+# Said where the Hub does not know the repository or cannot be reached: the user may have meant a local folder.
+NOT_LOCAL = "No local file or folder of this name exists here, so it was read as a Hub repo id."
+
+
+def _hub_error(exc: Exception, repo_id: str, revision: str | None, what: str) -> SourceError:
+    """A one-paragraph SourceError for a huggingface_hub failure; ``revision``: the one asked for or resolved (None
+    when the user gave none and none is resolved yet: the message then names no revision)."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, OfflineModeIsEnabled,
                                         RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
 
-    where = f"{repo_id}@{revision} on {constants.ENDPOINT}"
+    where = f"{_named(repo_id, revision)} on {constants.ENDPOINT}"
     if isinstance(exc, GatedRepoError):
         return SourceError(f"{where}: the repository is gated; accept its terms on the Hub and set HF_TOKEN ({what}).")
     if isinstance(exc, RepositoryNotFoundError):
-        return SourceError(f"{where}: no such model repository (or it is private: set HF_TOKEN) ({what}).")
+        return SourceError(f"{where}: no such model repository (or it is private: set HF_TOKEN) ({what}). {NOT_LOCAL}")
     if isinstance(exc, RevisionNotFoundError):
         return SourceError(f"{where}: no such revision (branch, tag or commit) ({what}).")
     if isinstance(exc, RemoteEntryNotFoundError):
@@ -76,7 +80,7 @@ def _hub_error(exc: Exception, repo_id: str, revision: str, what: str) -> Source
         return SourceError(f"{where}: {what}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set "
                            "(or the Hub cannot be reached). Download it first, or unset HF_HUB_OFFLINE.")
     return SourceError(f"{where}: {what} failed: {type(exc).__name__}: {exc}. Check the network, HF_ENDPOINT and HF_TOKEN; "
-                       "a Hub checkpoint already in the cache can be used with HF_HUB_OFFLINE=1.")
+                       f"a Hub checkpoint already in the cache can be used with HF_HUB_OFFLINE=1. {NOT_LOCAL}")
 
 
 class HubSource(FileReader):
@@ -90,6 +94,7 @@ class HubSource(FileReader):
 
         super().__init__()
         self.repo_id = repo_id
+        self.ref = revision  # as asked for (None: the default branch), named in messages only when given
         self.revision = revision or "main"
         self.cache_dir = str(cache_dir) if cache_dir is not None else None
         self.staging_dir = Path(staging_dir) if staging_dir is not None else None
@@ -115,6 +120,7 @@ class HubSource(FileReader):
         from huggingface_hub import hf_hub_download
 
         revision = revision or getattr(self, "commit", None) or self.revision
+        named = self.ref if revision == self.revision else revision
         try:
             if staged and self.staging_dir is not None:
                 path = hf_hub_download(self.repo_id, file, revision=revision, local_dir=self.staging_dir,
@@ -123,7 +129,7 @@ class HubSource(FileReader):
                 path = hf_hub_download(self.repo_id, file, revision=revision, cache_dir=self.cache_dir,
                                        local_files_only=local_only, tqdm_class=self._tqdm)
         except Exception as exc:  # huggingface_hub raises many kinds; each becomes one clear message
-            raise _hub_error(exc, self.repo_id, revision, f"downloading {file}") from None
+            raise _hub_error(exc, self.repo_id, named, f"downloading {file}") from None
         return Path(path)
 
     def _init_online(self) -> None:
@@ -133,9 +139,9 @@ class HubSource(FileReader):
         try:
             info = api.model_info(self.repo_id, revision=self.revision, files_metadata=True)
         except Exception as exc:
-            raise _hub_error(exc, self.repo_id, self.revision, "reading the model info") from None
+            raise _hub_error(exc, self.repo_id, self.ref, "reading the model info") from None
         if not isinstance(info.sha, str) or not COMMIT.match(info.sha):
-            raise SourceError(f"{self.repo_id}@{self.revision}: the Hub did not resolve the revision to a commit "
+            raise SourceError(f"{_named(self.repo_id, self.ref)}: the Hub did not resolve the revision to a commit "
                               f"(got {info.sha!r})")
         self.commit = info.sha
         siblings = {s.rfilename: s for s in (info.siblings or [])}
@@ -149,7 +155,7 @@ class HubSource(FileReader):
         # resolve the same name later); it must land in the commit model_info resolved.
         config_path = self._download("config.json", revision=self.revision)
         if config_path.parent.name != self.commit:
-            raise SourceError(f"{self.repo_id}@{self.revision} moved from {self.commit} to {config_path.parent.name} "
+            raise SourceError(f"{_named(self.repo_id, self.revision)} moved from {self.commit} to {config_path.parent.name} "
                               "while the conversion started; run again (or pass --revision COMMIT).")
         self.config = read_json(config_path, "a DeepSeek-V4 config.json is a JSON object")
         where = f"{self.description}/{INDEX_FILE}"
@@ -202,7 +208,7 @@ class HubSource(FileReader):
         config_path = self._download("config.json", local_only=True)
         commit = config_path.parent.name
         if not COMMIT.match(commit):
-            raise SourceError(f"{self.repo_id}@{self.revision}: the cached snapshot {config_path.parent} is not named by "
+            raise SourceError(f"{_named(self.repo_id, self.ref)}: the cached snapshot {config_path.parent} is not named by "
                               "a commit; cannot pin the revision offline")
         self.commit = commit
         self.config = read_json(config_path, "a DeepSeek-V4 config.json is a JSON object")

@@ -9,24 +9,22 @@ sibling, a layer missing an expert, or a shape that contradicts config.json rais
 from __future__ import annotations
 
 import json
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
+from .classify import PlanSource, classify
 from .errors import PlanError
-from nvfp4_megamoe.kernels.row_tiles import ROWS, TILE_BYTES, tileable
-
 from .options import DENSE_MODES, TARGETS, Options
 from .required import SourceModel, check_source, layer_problem, source_model
-from .rules import FUSED, FUSED_PARTS, index_problem, matching_rules
-from .source import E4M3_MAX, SourceTensor
-from .units import ROLES, FusedMatrices, OutputSpec, Passthrough, Unit
+from .rules import FUSED_PARTS
+from .source import E4M3_MAX
 
-class PlanSource(Protocol):
-    config: dict
-    tensors: dict[str, SourceTensor]
-    files: list[str]
-    description: str
+if TYPE_CHECKING:
+    from .units import FusedMatrices, OutputSpec, Unit
+
+# ``units`` (the conversion code, torch) and the kernels' row tiles are imported by the functions that build
+# units: the torch-free steps before a plan (``classify``, the output-folder checks) import this module too.
 
 
 @dataclass
@@ -43,43 +41,6 @@ class Plan:
     @property
     def total_bytes(self) -> int:
         return sum(o.nbytes for o in self.outputs)
-
-
-def classify(source: PlanSource, offenders: list[tuple[str, str, str]] | None = None) -> tuple[dict, Counter]:
-    """Match every tensor to exactly one rule; group them by unit key.
-
-    Tensors that match no rule or several are appended to ``offenders`` when it is given
-    (so the caller can report them with other problems), else raised as :class:`PlanError`.
-    """
-    collect = offenders is not None
-    offenders = offenders if collect else []
-    dtype_of = {n: t.info.dtype for n, t in source.tensors.items()}
-    groups: dict[tuple, dict] = defaultdict(lambda: {"fmt": set(), "members": {}})
-    counts: Counter = Counter()
-    for name, t in source.tensors.items():
-        found = matching_rules(name, t.info.dtype, dtype_of)
-        if len(found) != 1:
-            reason = (f"matches no rule (dtype {t.info.dtype}, shape {list(t.info.shape)}): "
-                      + (index_problem(name) or "unknown tensor, or a weight without its scale") if not found else
-                      "matches several rules: " + ", ".join(r.name for r, _ in found))
-            offenders.append((name, t.file, reason))
-            continue
-        rule, m = found[0]
-        counts[rule.name] += 1
-        if rule.family == "passthrough":
-            key: tuple = ("passthrough", name)
-            member: tuple = (name,)
-        elif rule.family == "routed":
-            key, member = ("routed", m["unit"], FUSED[m["w"]]), (int(m["e"]), m["w"], m["role"])
-        elif rule.family == "shared":
-            key, member = ("dense", m["unit"], FUSED[m["w"]]), (0, m["w"], m["role"])
-        else:
-            key, member = ("dense", m["unit"], None), (0, None, m["role"])
-        groups[key]["fmt"].add(rule.fmt)
-        groups[key]["members"][member] = name
-    if offenders and not collect:
-        raise PlanError("source tensors that cannot be mapped", offenders)
-    return groups, counts
 
 
 def _shape(source: PlanSource, name: str) -> tuple[int, ...]:
@@ -100,6 +61,10 @@ def _expected_shapes(fmt: str, rows: int, cols: int) -> dict[str, tuple[tuple[in
 
 def _matrix_unit(source: PlanSource, key: tuple, group: dict, model: SourceModel, offenders: list,
                  row_tiles: bool = False) -> FusedMatrices | None:
+    from nvfp4_megamoe.kernels.row_tiles import ROWS, TILE_BYTES, tileable
+
+    from .units import ROLES, FusedMatrices
+
     kind, prefix, fused = key
     fmts = group["fmt"]
     members = group["members"]
@@ -163,6 +128,8 @@ def _matrix_unit(source: PlanSource, key: tuple, group: dict, model: SourceModel
 
 def build_units(source: PlanSource, options: Options) -> tuple[list[Unit], Counter]:
     """Rule-match, group and validate; returns units in source-file order."""
+    from .units import Passthrough
+
     if options.dense not in DENSE_MODES:
         raise ValueError(f"dense must be one of {DENSE_MODES}, got {options.dense!r}")
     if options.target not in TARGETS:

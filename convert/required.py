@@ -89,7 +89,7 @@ def _why(name: str, model: SourceModel) -> str:
 
 
 def check_source(tensors: dict, groups: dict, model: SourceModel, dense_keep: bool, offenders: Offenders) -> None:
-    """Compare the classified source (``groups`` from ``plan.classify``) with ``model``'s table; every problem
+    """Compare the classified source (``groups`` from ``classify.classify``) with ``model``'s table; every problem
     is appended to ``offenders`` as (tensor, file, reason)."""
     expected = model.expected
     file_of = lambda n: tensors[n].file  # noqa: E731

@@ -32,7 +32,6 @@ from nvfp4_megamoe.runtime.format import shard_name
 
 from .errors import ConvertError, OutputError, shown
 from .plan import Plan
-from .writer import fsync_dir
 
 JOURNAL_FILE = ".nvfp4_progress.json"
 # 2: --target sm90 shards hold Hopper-order words; a journal of 1 may list shards of the first row-tile layout
@@ -41,6 +40,8 @@ JOURNAL_VERSION = 2
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary file, fsync and rename (never a half-written file)."""
+    from .writer import fsync_dir  # the writer imports torch; the output-folder checks import this module
+
     tmp = path.with_name(f".{path.name}.partial")
     with open(tmp, "wb") as f:
         f.write(data)

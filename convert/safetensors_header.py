@@ -21,24 +21,33 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from nvfp4_megamoe.input_files import loads_strict, open_regular
 
 from .errors import SourceError, shown
 
+if TYPE_CHECKING:
+    import torch
+
 MAX_HEADER_BYTES = 100_000_000  # safetensors' MAX_HEADER_SIZE
 
-# safetensors dtype string -> (torch dtype, bytes per element)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1), "BOOL": (torch.bool, 1),
-    "F8_E4M3": (torch.float8_e4m3fn, 1), "F8_E5M2": (torch.float8_e5m2, 1),
-    "F8_E8M0": (torch.float8_e8m0fnu, 1),
+# safetensors dtype string -> (name of the torch dtype, bytes per element). Names, not torch dtypes: reading and
+# checking headers needs no torch (the command line answers before torch is imported); see :func:`torch_dtype`.
+DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2), "I64": ("int64", 8), "I32": ("int32", 4),
+    "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1), "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
 }
-TORCH_TO_ST = {t: name for name, (t, _) in DTYPES.items()}
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype string (one of :data:`DTYPES`)."""
+    import torch
+
+    return getattr(torch, DTYPES[dtype][0])
 
 
 @dataclass(frozen=True)
@@ -187,7 +196,9 @@ def encode_header(entries: list[tuple[str, str, tuple[int, ...], int]], metadata
 
 def tensor_from_bytes(buf: bytes | bytearray | memoryview, info: TensorInfo) -> torch.Tensor:
     """Bytes of one tensor -> a torch tensor of its dtype and shape (owns its memory)."""
-    dtype = DTYPES[info.dtype][0]
+    import torch
+
+    dtype = torch_dtype(info.dtype)
     if not info.nbytes:
         return torch.empty(info.shape, dtype=dtype)
     return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(dtype).reshape(info.shape)

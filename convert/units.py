@@ -216,7 +216,7 @@ class FusedMatrices:
             if self.input_scale is not None:
                 scales = torch.tensor([_scalar(src.read(p[self.input_role])) for p in item], dtype=torch.float32)
                 sink.write(self.input_scale.name, e * 4 * parts, scales)
-            tick(m.packed.numel() + m.scales.numel())
+            tick(sum(o.nbytes for o in self.outputs) // n)  # this item's share of every output (the bar's total)
         self._record()
 
     def _where(self, e: int) -> str:

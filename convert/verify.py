@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from nvfp4_megamoe.input_files import file_kind, read_json_object
+from nvfp4_megamoe.input_files import file_kind, folder_problem, read_json_object
 from nvfp4_megamoe.kernels.row_tiles import untile_rows
 from nvfp4_megamoe.kernels.scales import E4M3_NAN_BYTES
 from nvfp4_megamoe.kernels.swizzle import swizzle_padding
@@ -47,7 +47,9 @@ from .errors import ConvertError, shown
 from .options import DEFAULT_SHARD_SIZE, Options
 from .plan import Plan, make_plan
 from .safetensors_header import DTYPES, TensorInfo, tensor_from_bytes
-from .source import LocalSource, ValueScreen
+from .source import LocalSource
+from .summary import counted, tensor_kind
+from .value_screen import ValueScreen
 from .units import FusedMatrices, Passthrough
 from .verify_roundtrip import BOUNDS, CHECKS, Item, UnitCheck, bound_violations, manifest_disagreement, scale_cols
 from .verify_structure import Layout, check_against_config, check_files, nvfp4_groups
@@ -162,15 +164,6 @@ class OutputReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-
-def _kind(entry: dict) -> str:
-    transform = entry.get("transform") or []
-    if transform == ["copy"]:
-        return "passthrough"
-    if transform == ["stack_input_scales"]:
-        return "input_scale"
-    return "lossless" if entry.get("lossless") else "lossy"
 
 
 def _open_source(source: str | os.PathLike | None, manifest: dict, rep: VerifyReport,
@@ -472,15 +465,16 @@ def verify_checkpoint(out: str | os.PathLike, source: str | os.PathLike | None =
     ``workers`` threads check groups in parallel (the report does not depend on it).
     """
     out = Path(out)
-    if not out.is_dir():
-        raise FileNotFoundError(f"{out}: no such folder")
+    problem = folder_problem(out)
+    if problem is not None:
+        raise FileNotFoundError(f"{out}: {problem}")
     rep = VerifyReport(str(out))
     lay = check_files(out, rep.fail, rep.warnings.append)
     if lay.manifest is None:
         return rep
     rep.shards = sorted(lay.manifest.get("shards", {}))
     for name, entry in lay.manifest.get("tensors", {}).items():
-        rep.tensors[name] = TensorResult(name, lay.shard_of.get(name), _kind(entry))
+        rep.tensors[name] = TensorResult(name, lay.shard_of.get(name), tensor_kind(entry))
     for name, res in rep.tensors.items():
         if res.shard in lay.bad_shards:
             res.ok = False
@@ -539,7 +533,7 @@ def format_report(rep: VerifyReport, worst: int = 3, listed: int = 50) -> str:
     lines.append(f"  shards:  {len(rep.shards)} ({'sha256 checked' if rep.hashed else 'sha256 not checked (--fast)'})")
     kinds = Counter(r.kind for r in rep.tensors.values())
     checked = Counter(r.checked for r in rep.tensors.values())
-    lines.append(f"  tensors: {len(rep.tensors)} ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}); "
+    lines.append(f"  tensors: {len(rep.tensors)} ({counted(kinds)}); "
                  f"{checked.get('round trip', 0)} compared with the source")
     inexact = sum(r.inexact_blocks or 0 for n, r in rep.tensors.items() if n.endswith(".weight"))
     if rep.round_trip:

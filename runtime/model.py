@@ -15,6 +15,8 @@ differs, docs/runtime.md says which one this follows.
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
 from pathlib import Path
 
 import torch
@@ -338,6 +340,16 @@ class Model:
         return out.view(b, t, d)
 
 
+def _warn_without_kernels(device: str | torch.device) -> None:
+    """On an sm_90 GPU without CuTeDSL the PyTorch references run, far slower: say so, and what to install."""
+    dev = torch.device(device)
+    if (dev.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(dev) == (9, 0)
+            and importlib.util.find_spec("cutlass") is None):
+        warnings.warn("load_model: CuTeDSL (nvidia-cutlass-dsl) is not installed, so this H100/H200 runs the PyTorch "
+                      "reference ops instead of the Hopper kernels; install them with "
+                      "`pip install 'nvfp4-megamoe[gpu]'`.", stacklevel=3)
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", layers: list[int] | None = None,
                experts: tuple[int, int] | None = None, verify_hashes: bool = False, backend=None,
                world=None) -> Model:
@@ -364,6 +376,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", layers: lis
         experts = world.expert_range(config.n_routed_experts)
     weights = WeightLoader(ckpt, config, device).model(layers, experts)
     warm = backend is None and hopper_available(device)
+    if backend is None and not warm:
+        _warn_without_kernels(device)
     if warm:
         backend = HopperBackend()
     inner = backend

@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from nvfp4_megamoe.convert.cli import main
 from nvfp4_megamoe.convert.safetensors_header import read_header
 from nvfp4_megamoe.convert.errors import SourceError
-from nvfp4_megamoe.convert.source import check_values
+from nvfp4_megamoe.convert.value_screen import check_values
 
 from synth_checkpoints import writable_copy
 

@@ -20,6 +20,7 @@ from nvfp4_megamoe.convert.api import convert_checkpoint
 from nvfp4_megamoe.convert.cli import main
 from nvfp4_megamoe.convert.errors import OutputError, PlanError
 from nvfp4_megamoe.convert.inspect import inspect_checkpoint
+from nvfp4_megamoe.convert.output_config import source_config
 
 from numeric import rel_err
 from synth_checkpoints import writable_copy
@@ -158,8 +159,11 @@ def test_index_shards_and_metadata(converted, variant):
             meta = h.metadata()
             assert meta["format"] == "pt" and meta["nvfp4_format_version"] == "1"
             assert set(h.keys()) == {n for n, g in out.weight_map.items() if g == f}
-    for copied in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert (out.root / copied).read_bytes() == (Path(manifest["source"]["path"]) / copied).read_bytes()
+    source = Path(manifest["source"]["path"])
+    for copied in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out.root / copied).read_bytes() == (source / copied).read_bytes()
+    # config.json: the source's, with a format-1 quantization_config (tests/test_output_config.py)
+    assert source_config(json.loads((out.root / "config.json").read_text())) == json.loads((source / "config.json").read_text())
 
 
 def test_dense_fp8_requantized_with_measured_error(converted):
@@ -308,4 +312,4 @@ def test_inspect_detects_variant(synth_checkpoints, variant, words):
 def test_demo_runs(tmp_path):
     result = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path / "demo")])
     assert result.exit_code == 0, result.output
-    assert "bit-exact" in result.output and (tmp_path / "demo" / "converted" / "nvfp4_manifest.json").is_file()
+    assert "NVFP4 matrices:" in result.output and (tmp_path / "demo" / "converted" / "nvfp4_manifest.json").is_file()

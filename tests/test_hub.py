@@ -20,8 +20,11 @@ import huggingface_hub.constants as hf_constants
 from nvfp4_megamoe.convert.api import STAGED_AHEAD, STAGING_DIR, convert_checkpoint
 from nvfp4_megamoe.convert.errors import SourceError
 from nvfp4_megamoe.convert.hub import HubSource
+from nvfp4_megamoe.convert.inspect import inspect_checkpoint
+from nvfp4_megamoe.convert.output_config import source_config
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cli_process import answers  # noqa: E402
 from hub_server import HubServer  # noqa: E402
 from synth_checkpoints import writable_copy  # noqa: E402
 
@@ -92,7 +95,7 @@ def test_hub_conversion_is_byte_identical_to_local(hub, hub_env, tmp_path, ckpt,
     for name, entry in src["files"].items():
         assert entry == {"size": (ckpt / name).stat().st_size, "sha256": _sha(ckpt / name)}
         assert entry["sha256"] == repo.sha256(name)
-    assert (out / "config.json").read_bytes() == (ckpt / "config.json").read_bytes()
+    assert source_config(json.loads((out / "config.json").read_text())) == json.loads((ckpt / "config.json").read_text())
     assert (out / "tokenizer.json").exists()
     # Every request after the model info is pinned to the resolved commit (config.json is fetched by the
     # branch name, so the cache learns refs/main, and checked to come from that commit).
@@ -110,6 +113,46 @@ def test_revision_is_pinned_and_checked(hub, hub_env, tmp_path):
         convert_checkpoint("org/tiny", tmp_path / "b", revision="v9-does-not-exist", dry_run=True, progress=False)
     with pytest.raises(SourceError, match="no such model repository"):
         convert_checkpoint("org/absent", tmp_path / "c", dry_run=True, progress=False)
+
+
+def test_hub_errors_name_a_revision_only_when_one_was_given(hub, hub_env, tmp_path):
+    with pytest.raises(SourceError) as missing:
+        convert_checkpoint("org/absent", tmp_path / "a", progress=False)
+    assert str(missing.value).startswith(f"org/absent on {hub.endpoint}: no such model repository")
+    assert "@" not in str(missing.value).split(" on ")[0] and "read as a Hub repo id" in str(missing.value)
+    with pytest.raises(SourceError) as wrong:
+        convert_checkpoint("org/tiny", tmp_path / "b", revision="v9", progress=False)
+    assert str(wrong.value).startswith(f"org/tiny@v9 on {hub.endpoint}: no such revision")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_owner_folder_here_makes_owner_name_a_local_path(hub, hub_env, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org").mkdir()  # ``org/tiny`` is now a mistyped local path, not the Hub repository
+    for call in (lambda: convert_checkpoint("org/tiny", tmp_path / "out", progress=False),
+                 lambda: inspect_checkpoint("org/tiny")):
+        with pytest.raises(SourceError, match=r"org/tiny: no such folder\. 'org' exists here"):
+            call()
+    assert not hub.log, "no request reaches the Hub"
+    assert not (tmp_path / "out").exists()
+
+
+def test_inspect_reads_a_hub_repository_by_its_headers(hub, hub_env, tmp_path, ckpt, local_out):
+    hub.add("org/converted", local_out)
+    for repo, local in (("org/tiny", ckpt), ("org/converted", local_out)):
+        remote = inspect_checkpoint(repo)
+        assert remote.pop("path") == f"{repo}@{hub.repos[repo].commit}"
+        mine = inspect_checkpoint(local)
+        mine.pop("path")
+        assert remote == mine
+    assert not list(hub_env.rglob("*.safetensors")), "no shard is downloaded"
+    for path, rng in hub.downloads():
+        assert rng is not None and rng.startswith(("bytes=0-", "bytes=8-")), (path, rng)
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_HUB_CACHE": str(hub_env), "HF_HUB_OFFLINE": "0"}
+    run, missing = answers(["inspect", "org/converted"], ["inspect", "org/tiny", "--revision", "v9"], env=env)
+    assert run["exit_code"] == 0 and "converted" in run["output"] and not run["torch"], run
+    assert missing["exit_code"] == 1 and missing["output"].startswith("error: org/tiny@v9 on "), missing
+    assert not missing["torch"]
 
 
 def test_token_comes_from_hf_token(hub, hub_env, tmp_path, monkeypatch):

@@ -154,8 +154,10 @@ def test_resume_of_a_finished_folder_is_a_no_op(ckpt, clean, tmp_path):
     result = convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False, resume=True)
     assert result.skipped_shards == len(result.plan.shards)
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
-    with pytest.raises(OutputError, match="different conversion"):
+    with pytest.raises(OutputError, match=r"differs from this one: other options \(--dense nvfp4 there, keep here\)"):
         convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False, resume=True, dense="keep")
+    with pytest.raises(OutputError, match=r"differs from this one: another source \(.*, this run converts "):
+        convert_checkpoint(clean, out, shard_size=SHARD, progress=False, resume=True)
 
 
 @pytest.mark.parametrize("workers", [2, 5])
