@@ -306,5 +306,39 @@ def verify_cmd(out: Path, source: Path | None, structure_only: bool, json_path: 
     sys.exit(0 if report.ok else 1)
 
 
+@main.command("warmup")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--processes", type=click.IntRange(1, 256), default=None,
+              help="Compiling processes (default: one per CPU core).")
+def warmup_cmd(out: Path, processes: int | None) -> None:
+    """Compile, on this machine's GPU, every kernel the converted checkpoint in OUT needs and keep them in the kernel
+    cache (``$NVFP4_MEGAMOE_KERNEL_CACHE``, else ~/.cache/nvfp4_megamoe/kernels), so that a later load_model
+    compiles nothing. Needs an H100/H200 and the gpu extra."""
+    problem = folder_problem(out)
+    if problem is not None:
+        _fail(f"{out}: {problem}. Give the folder a conversion wrote (nvfp4-convert convert SOURCE {out}).")
+    import time
+
+    from nvfp4_megamoe.kernels.cute_host import cache_folder
+    from nvfp4_megamoe.runtime import load_model
+    from nvfp4_megamoe.runtime.hopper import HopperBackend, hopper_available
+
+    if cache_folder() is None:
+        _fail("the kernel cache is off (NVFP4_MEGAMOE_KERNEL_CACHE is 0, off, false, none or empty): compiled "
+              "kernels would not outlive this process; set it to a folder or unset it")
+    if not hopper_available("cuda"):
+        _fail("warmup compiles for the GPU it runs on: it needs an sm_90 GPU (H100/H200) and CuTeDSL "
+              "(pip install 'nvfp4-megamoe[gpu]')")
+    t0 = time.perf_counter()
+    backend = HopperBackend()
+    try:
+        model = load_model(out, device="cuda", backend=backend)
+        backend.warmup(model, processes)
+    except REFUSALS as exc:
+        _fail(exc)
+    click.echo(f"{backend.compiled_at_warmup} kernels compiled, the rest found cached, in "
+               f"{time.perf_counter() - t0:.1f} s; kept in {cache_folder()}")
+
+
 if __name__ == "__main__":
     main()

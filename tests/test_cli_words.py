@@ -109,3 +109,18 @@ def test_ctrl_c_in_any_command_exits_130(monkeypatch, tmp_path_factory):
     monkeypatch.setattr(verify, "verify_checkpoint", interrupted)
     result = cli("verify", converted(tmp_path_factory, "flash"))
     assert result.exit_code == 130 and "interrupted" in result.output and "Aborted" not in result.output
+
+
+def test_warmup_says_what_it_needs(tmp_path_factory, tmp_path, monkeypatch):
+    """``nvfp4-convert warmup`` builds the kernel cache ahead of a serving start: refused clearly where it cannot
+    (a folder that is no conversion, the cache turned off, no H100/H200 here)."""
+    from hostile_inputs import refused
+
+    from nvfp4_megamoe.runtime.hopper import hopper_available
+    out = converted(tmp_path_factory, "flash")
+    refused(cli("warmup", tmp_path / "missing"), "missing")
+    monkeypatch.setenv("NVFP4_MEGAMOE_KERNEL_CACHE", "0")
+    refused(cli("warmup", out), "cache is off")
+    monkeypatch.setenv("NVFP4_MEGAMOE_KERNEL_CACHE", str(tmp_path / "kc"))
+    if not hopper_available("cuda"):
+        refused(cli("warmup", out), "sm_90")
