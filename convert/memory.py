@@ -1,4 +1,4 @@
-"""Bounding the converter's memory: per-unit working-memory estimates, a budget units reserve from,
+"""Bounding the converter's memory: per-piece working-memory estimates, a budget pieces reserve from,
 and handing freed heap back to the OS."""
 
 from __future__ import annotations
@@ -13,20 +13,24 @@ if TYPE_CHECKING:
     Source = LocalSource | HubSource
 
 
-# Working memory of units running at once (estimated): what bounds peak memory, whatever the model size.
+# Working memory of pieces running at once (estimated): what bounds peak memory, whatever the model size and
+# the number of workers.
 MEMORY_BUDGET = 640 * 2**20
 # Peak working bytes per source byte of one item, by source format and, where it decides the path, the
 # block-scale dtype (measured: FP8 requantization by the float recipe ~19, by the lookup tables that E8M0
 # scales allow ~3 plus the tables; FP4 recasts ~6).
 WORK_FACTOR = {"fp8": 20, "fp8/F8_E8M0": 5, "mxfp4": 6, "nvfp4": 8}
+# A piece of a copied tensor: its bytes, and the value check's masks and magnitudes (measured: under 3x).
+COPY_FACTOR = 3
 
 
-def working_bytes(unit, src: Source) -> int:
-    """Estimated peak working memory of a unit: one item (expert or matrix) at a time; copies need none."""
+def piece_bytes(unit, src: Source) -> int:
+    """Estimated peak working memory of one of a unit's pieces: an item (expert or matrix), or a stretch of a
+    copied tensor."""
     fmt = getattr(unit, "fmt", None)
     members = getattr(unit, "members", None)
     if fmt is None or not members:
-        return 0
+        return COPY_FACTOR * max(n for _, _, n in unit.filled(0))
     item = sum(src.tensors[n].info.nbytes for part in members[0] for n in part.values())
     scale = members[0][0].get("scale")
     kind = f"{fmt}/{src.tensors[scale].info.dtype}" if scale in src.tensors else fmt
