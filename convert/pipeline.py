@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 
 from .errors import ConvertError, SourceError
-from .memory import MEMORY_BUDGET, TRIM_AFTER, MemoryBudget, piece_bytes, release_memory
+from .memory import MEMORY_BUDGET, TRIM_ABOVE, TRIM_AFTER, MemoryBudget, anon_resident, piece_bytes, release_memory
 from .timing import stage
 from .units import Unit
 
@@ -92,14 +92,19 @@ def run_units(src: Source, units: list[Unit], writer: ShardWriter, stager: Stage
     pending: dict[int, _Pending] = {}
 
     def run_piece(i: int, k: int, reserved: int) -> None:
+        with stage("piece"):  # what the stages inside leave out: the Python between them, and waits for the GIL
+            _run_piece(i, k, reserved)
+
+    def _run_piece(i: int, k: int, reserved: int) -> None:
         unit = units[i]
         try:
             try:
                 result = unit.run_piece(src, writer, k, device)
             except ValueError as exc:
                 raise unit_error(unit, exc) from None
-            if reserved >= TRIM_AFTER:
-                release_memory()
+            if reserved >= TRIM_AFTER or anon_resident() > TRIM_ABOVE:
+                with stage("trim"):
+                    release_memory()
             ranges = unit.filled(k)
             writer.filled(ranges)
             tick(sum(n for _, _, n in ranges))

@@ -2,7 +2,7 @@
 
 A unit knows, from source headers alone, every output tensor's name, dtype, shape and sources
 (so the writer can lay out shard headers before converting), and how to produce the bytes
-piece by piece: expert by expert for stacked tensors, a copied tensor in 16 MiB stretches. A piece
+piece by piece: expert by expert for stacked tensors, a copied tensor in 4 MiB stretches. A piece
 bounds the memory it needs; pieces run side by side on the converter's workers (``pipeline.py``).
 """
 
@@ -106,7 +106,7 @@ def _scalar(t: torch.Tensor) -> float:
 
 
 # Bytes of a copied tensor read, checked and written as one piece (a multiple of every element size).
-COPY_PIECE = 16 << 20
+COPY_PIECE = 4 << 20
 
 
 @dataclass
