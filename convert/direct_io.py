@@ -173,7 +173,8 @@ class DirectFile:
         """Feed bytes [start, end) to ``sha``: from disk through ``fd`` (an O_DIRECT descriptor of this file), and
         from memory for blocks still waiting. Every byte in the range must have been written already. The
         next chunk is read on a reader thread while this one is hashed (the tail of a conversion is this hash)."""
-        self.drain()
+        with stage("wait:drain"):
+            self.drain()
         first = start // ALIGN * ALIGN
         last = -(-end // ALIGN) * ALIGN
         chunks = [(at, min(BOUNCE, last - at)) for at in range(first, last, BOUNCE)]
