@@ -113,8 +113,9 @@ def run_units(src: Source, units: list[Unit], writer: ShardWriter, stager: Stage
                 state.results[k] = result
                 state.left -= 1
                 last = state.left == 0
+                if last:
+                    del pending[i]
             if last:
-                del pending[i]
                 try:
                     unit.finish(state.results)
                 except ValueError as exc:
