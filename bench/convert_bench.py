@@ -1,10 +1,11 @@
 """Converter benchmark (not a test): conversion time against ``cp -r`` of the same source, peak anonymous
-memory, throughput; default options, ``--dense keep``, ``--buffered-io`` and ``--target sm90``; and the memory
-check at twice the experts.
+memory, throughput; default options, ``--dense keep``, ``--buffered-io`` and ``--target sm90``; the scaling
+with the number of workers; where the time goes (per stage and thread, ``nvfp4-convert convert --timings``);
+and the memory check at twice the experts.
 
     python bench/convert_bench.py --workdir /tmp/convert-bench   # makes the checkpoints if missing;
                                                                  # writes bench/results/convert_bench.json
-    python bench/convert_bench.py --workdir DIR --runs 3 --workers 2 --json OTHER.json
+    python bench/convert_bench.py --workdir DIR --runs 2 --workers 16 --scaling 2,4,8,16 --twice ''
 
 Sources are synthetic checkpoints with real V4-Flash layer shapes (``synth`` presets
 ``flash-layer``: H=4096, I=2048, 64 experts, 3 layers + MTP, ~3.9 GB; ``flash-layer-2x``: the same
@@ -30,6 +31,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from nvfp4_megamoe.convert.timing import format_report
 
 GiB = 1024**3
 
@@ -108,15 +111,31 @@ def time_convert(src: Path, out: Path, extra: list[str], workers: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
     warm(src)
+    timings = out.with_name(out.name + "-timings.json")
     cmd = [sys.executable, "-m", "nvfp4_megamoe.convert.cli", "convert", str(src), str(out), "--no-progress",
-           "--workers", str(workers), *extra]
+           "--workers", str(workers), "--timings", str(timings), *extra]
     wall, peak, res = run_sampled(cmd)
     if res.returncode != 0:
         raise SystemExit(f"conversion failed:\n{res.stderr[-3000:]}")
-    result = {"wall_s": wall, "peak_rss_anon": peak, "out_bytes": folder_bytes(out)}
+    result = {"wall_s": wall, "peak_rss_anon": peak, "out_bytes": folder_bytes(out), "workers": workers,
+              "timings": json.loads(timings.read_text())}
+    timings.unlink()
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
     return result
+
+
+def scaling_row(r: dict, base: dict) -> str:
+    """One line of the scaling table: time, speed-up over the first worker count, what the workers did."""
+    t = r["timings"]
+    workers = t["threads"].get("convert", {"threads": 0, "busy_s": [], "stages": {}})
+    busy = sum(workers["busy_s"]) / max(1, workers["threads"]) / t["wall_s"]
+    stages = workers["stages"]
+    cpu = sum(v["cpu_s"] for k, v in stages.items() if not k.startswith("wait:"))
+    waits = sorted(((k, v["wall_s"]) for k, v in stages.items() if k.startswith("wait:")), key=lambda kv: -kv[1])
+    return (f"| {r['workers']} | {r['wall_s']:.1f} | {base['wall_s'] / r['wall_s']:.2f} | {busy * 100:.0f} % | "
+            f"{cpu / max(1e-9, sum(workers['busy_s'])) * 100:.0f} % | "
+            + ", ".join(f"{k} {s:.1f}" for k, s in waits[:2]) + f" | {r['peak_rss_anon'] / 2**20:.0f} |")
 
 
 def baseline_rss() -> int:
@@ -135,10 +154,10 @@ def breakdown(src: Path, dense: str = "nvfp4") -> dict:
     from nvfp4_megamoe.convert.plan import make_plan
     from nvfp4_megamoe.convert.source import LocalSource
     from nvfp4_megamoe.convert.hashing import sha256_file
+    from nvfp4_megamoe.convert.units import run_unit
 
     class Discard:
         def write(self, *args) -> None: ...
-        def copy(self, *args) -> None: ...
 
     source = LocalSource(src)
     plan = make_plan(source, Options(dense=dense))
@@ -147,7 +166,7 @@ def breakdown(src: Path, dense: str = "nvfp4") -> dict:
     for unit in plan.units:
         kind = getattr(unit, "fmt", "copy")
         t0 = time.perf_counter()
-        unit.run(source, Discard(), lambda n: None)
+        run_unit(unit, source, Discard())
         secs[kind] += time.perf_counter() - t0
         nbytes[kind] += sum(source.tensors[n].info.nbytes for n in unit.sources)
     t0 = time.perf_counter()
@@ -179,7 +198,10 @@ def main() -> None:
     ap.add_argument("--twice", default="flash-layer-2x", help="preset with twice the experts ('' to skip)")
     ap.add_argument("--runs", type=int, default=3, help="interleaved rounds of the timed commands (the best of each is "
                     "reported; all are recorded)")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=os.cpu_count(), help="workers of the timed modes (default: "
+                    "one per CPU, as the converter's default)")
+    ap.add_argument("--scaling", default="auto", help="worker counts of the scaling runs (default options), e.g. "
+                    "2,4,8,16; auto: 1, 2, 4, ... up to the CPUs; '' to skip")
     ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "convert_bench.json")
     ap.add_argument("--breakdown", action="store_true", help="only: time each unit kind in one thread (no output)")
     args = ap.parse_args()
@@ -193,6 +215,9 @@ def main() -> None:
         return
     twice = ensure(args.workdir, args.twice) if args.twice else None
     size = folder_bytes(src)
+    cpus = os.cpu_count() or 1
+    scaling = ([w for w in (1, 2, 4, 8, 16, 32, 64) if w <= cpus] if args.scaling == "auto" else
+               [int(w) for w in args.scaling.split(",") if w.strip()])
     res: dict = {"machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
                             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.0f} GiB RAM",
                  "load_before": os.getloadavg(), "source": str(src), "source_bytes": size, "workers": args.workers,
@@ -202,16 +227,25 @@ def main() -> None:
     modes = (("default", []), ("dense_keep", ["--dense", "keep"]), ("default_buffered", ["--buffered-io"]),
              ("target_sm90", ["--target", "sm90"]))
     cp, cp_sync, runs = [], [], {name: [] for name, _ in modes}
+    scaled: dict[int, list] = {w: [] for w in scaling}
     for _ in range(args.runs):
         cp.append(time_cp(src, args.workdir / "cp-copy", sync=False))
         cp_sync.append(time_cp(src, args.workdir / "cp-copy", sync=True))
         for name, extra in modes:
             runs[name].append(time_convert(src, args.workdir / "out", extra, args.workers))
+        for w in scaling:
+            scaled[w].append(time_convert(src, args.workdir / "out", [], w))
     res["cp_s"], res["cp_sync_s"], res["cp_runs_s"], res["cp_sync_runs_s"] = min(cp), min(cp_sync), cp, cp_sync
     for name, _ in modes:
         res[name] = dict(min(runs[name], key=lambda r: r["wall_s"]))
         res[name]["peak_rss_anon"] = max(r["peak_rss_anon"] for r in runs[name])
         res[name]["runs_s"] = [r["wall_s"] for r in runs[name]]
+    res["scaling"] = []
+    for w in scaling:
+        best = dict(min(scaled[w], key=lambda r: r["wall_s"]))
+        best["peak_rss_anon"] = max(r["peak_rss_anon"] for r in scaled[w])
+        best["runs_s"] = [r["wall_s"] for r in scaled[w]]
+        res["scaling"].append(best)
     if twice is not None:
         res["twice_source_bytes"] = folder_bytes(twice)
         res["twice_default"] = time_convert(twice, args.workdir / "out", [], args.workers)
@@ -238,6 +272,16 @@ def main() -> None:
     if twice is not None:
         growth = res["twice_default"]["peak_rss_anon"] / res["default"]["peak_rss_anon"] - 1
         print(f"peak RssAnon growth at twice the experts: {growth * 100:+.1f}%")
+    if res["scaling"]:
+        print("\nscaling (default options; busy: the share of the run the workers spent in a stage; CPU: the share of "
+              "that on a CPU)")
+        print("| workers | time (s) | speed-up | workers busy | busy on CPU | workers' longest waits (s) | "
+              "peak RssAnon (MiB) |")
+        print("|---|---|---|---|---|---|---|")
+        for r in res["scaling"]:
+            print(scaling_row(r, res["scaling"][0]))
+    print(f"\nwhere the time went (default options, {args.workers} workers, best round):")
+    print(format_report(res["default"]["timings"]))
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
 

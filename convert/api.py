@@ -4,11 +4,12 @@ A run: open the source (a folder, or a Hub repo pinned to one commit), make the 
 headers alone, prepare the output folder (or, with ``resume``, check that the unfinished run
 there is this run and keep its verified shards), then execute the plan:
 
-* units run on a thread pool (``workers``); each writes its own byte ranges at offsets fixed by
-  the plan, so the bytes do not depend on the number of threads or the order units finish in;
+* the units' pieces (experts, stretches of copied tensors) run on a thread pool (``workers``,
+  ``pipeline.py``); each writes its own byte ranges at offsets fixed by the plan, so the bytes do
+  not depend on the number of threads or the order pieces finish in;
 * source shards are fetched in the order units first need them (:class:`Stager`), at most a few
   ahead when the source is not kept, and released when their last unit is done;
-* every source file is hashed once, in a background thread, as soon as it is available (for a
+* every source file is hashed once, on background threads, as soon as it is available (for a
   Hub download the hash is checked against the LFS sha256 the Hub published);
 * output shards are hashed as they fill; each finished one is fsynced and renamed in the
   background, then recorded in the progress journal (``resume.py``); the index, written last,
@@ -20,12 +21,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 from tqdm.auto import tqdm
 
@@ -34,21 +33,24 @@ from nvfp4_megamoe.input_files import file_kind
 from nvfp4_megamoe.runtime.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, MANIFEST_FILE,
                                           ROW_TILES_FORMAT_VERSION)
 
-from .errors import ConvertError, OutputError, SourceError
+from .errors import ConvertError, OutputError
 from .hub import HubSource
 from .locate import open_source
-from .options import DEFAULT_SHARD_SIZE, Options
+from .options import DEFAULT_SHARD_SIZE, Options, default_workers
 from .output_config import write_extra_files
 from .output_folder import check_output
 from .plan import Plan, make_plan
 from .resume import JOURNAL_FILE, Journal, checked_progress, identity_differences, restore_unit, unit_results, write_atomic
-from .memory import MEMORY_BUDGET, TRIM_AFTER, MemoryBudget, release_memory, working_bytes
 from .source import LocalSource
 from .source_hashes import SourceHashes
 from .staging import Stager
-from .hashing import sha256_file
+from .hashing import hash_threads, sha256_file
+from . import timing
+from .timing import stage
 
 if TYPE_CHECKING:  # torch: imported once the plan is made (the output-folder checks come first, without it)
+    import torch
+
     from .writer import ShardWriter
 
 __all__ = ["ConvertResult", "convert_checkpoint", "open_source", "write_atomic", "DEFAULT_WORKERS"]
@@ -65,7 +67,7 @@ ROW_TILES_TARGET = {
                             "order (nvfp4_megamoe.kernels.row_tiles)",
 }
 STAGING_DIR = ".nvfp4_source"
-DEFAULT_WORKERS = 2
+DEFAULT_WORKERS = default_workers()
 # Source shards held on disk at once when the source is not kept (beyond those in use).
 STAGED_AHEAD = 2
 
@@ -80,6 +82,7 @@ class ConvertResult:
     plan: Plan
     manifest: dict
     skipped_shards: int = 0
+    timings: dict | None = None  # where the run's time went (``timing.report``), for a run that converted
 
 
 # ---------------------------------------------------------------------------------------- output folder
@@ -176,38 +179,16 @@ def build_manifest(src: Source, plan: Plan, writer: ShardWriter, source_files: d
 # ---------------------------------------------------------------------------------------- the run
 
 
-def _unit_error(unit, exc: Exception) -> ConvertError:
-    return SourceError(f"while converting {unit.key} (from {', '.join(unit.sources[:4])}"
-                       f"{', ...' if len(unit.sources) > 4 else ''}): {exc}. The conversion stopped and left no "
-                       "complete output.")
-
-
-@contextmanager
-def _threads_per_unit(workers: int) -> Iterator[None]:
-    """torch's intra-op threads for the run: the cores shared by the units and the hashing (about one core).
-
-    Units already run in parallel; more torch threads than cores would only contend (idle OpenMP threads
-    spin), so a 2-core machine runs each unit's torch ops on its own thread.
-    """
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (max(1, workers) + 1)))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int, keep_source: bool,
-             progress: bool, direct_io: bool) -> tuple[ShardWriter, dict, int]:
+             progress: bool, direct_io: bool, device: torch.device) -> tuple[ShardWriter, dict, int]:
+    from .pipeline import run_units
     from .writer import ShardWriter
 
     journal = prep.journal
-    # Two hashing threads: one for source files (ahead of the conversion, which it also warms the page
-    # cache for), one for output shards as they fill (so a digest is ready when its shard is).
-    hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-out")
-    source_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-src")
+    # Hashing threads: for source files (ahead of the conversion, which they also warm the page cache for), and
+    # for output shards as they fill (so a digest is ready when its shard is).
+    hash_pool = ThreadPoolExecutor(max_workers=hash_threads(), thread_name_prefix="sha256-out")
+    source_pool = ThreadPoolExecutor(max_workers=hash_threads(), thread_name_prefix="sha256-src")
     hashes = SourceHashes(src, journal, source_pool)
 
     def shard_finished(name: str, size: int, future: Future) -> None:
@@ -226,51 +207,22 @@ def _execute(src: Source, plan: Plan, out: Path, prep: Prepared, *, workers: int
                smoothing=0.1)
     stager = Stager(src, needs, ahead=None if keep_source else STAGED_AHEAD, threads=2,
                     on_fetched=hashes.start, before_release=hashes.wait)
-    errors: list[tuple[int, BaseException]] = []
-    slots = threading.Semaphore(max(1, workers) * 2)
-    budget = MemoryBudget(MEMORY_BUDGET)
 
-    def run_one(i: int, unit, reserved: int) -> None:
-        try:
-            try:
-                unit.run(src, writer, bar.update)
-            except ValueError as exc:
-                raise _unit_error(unit, exc) from None
-            if reserved >= TRIM_AFTER:
-                release_memory()
-            journal.add_unit(unit.key, unit_results(unit))
-            writer.written([o.name for o in unit.outputs])
-            stager.done(i)
-        except BaseException as exc:  # noqa: BLE001 - collected, re-raised in unit order
-            errors.append((i, exc))
-            stager.fail(exc)
-        finally:
-            budget.release(reserved)
-            slots.release()
+    def unit_done(i: int, unit) -> None:
+        journal.add_unit(unit.key, unit_results(unit))
+        writer.written([o.name for o in unit.outputs])
+        stager.done(i)
 
-    pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="convert")
     try:
-        for i, unit in enumerate(run):
-            if errors:
-                break
-            try:
-                stager.wait(i)
-            except BaseException:
-                if errors:  # a unit failed; report that failure (below), in unit order
-                    break
-                raise
-            slots.acquire()
-            reserved = budget.acquire(working_bytes(unit, src))
-            pool.submit(run_one, i, unit, reserved)
-        pool.shutdown(wait=True)
-        if errors:
-            raise min(errors, key=lambda e: e[0])[1]
-        writer.close()
-        source_files = hashes.result()
-        for name in writer.names:
-            writer.hashes[name].result()
+        run_units(src, run, writer, stager, workers=workers, device=device, unit_done=unit_done, tick=bar.update)
+        with stage("wait:shards"):
+            writer.close()
+        with stage("wait:source-hash"):
+            source_files = hashes.result()
+        with stage("wait:output-hash"):
+            for name in writer.names:
+                writer.hashes[name].result()
     except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
         writer.abort()
         raise
     finally:
@@ -322,7 +274,8 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
                        progress: bool = True, on_plan: Callable[[Plan], None] | None = None,
                        revision: str | None = None,
                        resume: bool = False, keep_source: bool = True, workers: int = DEFAULT_WORKERS,
-                       cache_dir: str | os.PathLike | None = None, direct_io: bool = True) -> ConvertResult:
+                       cache_dir: str | os.PathLike | None = None, direct_io: bool = True,
+                       device: str | torch.device = "cpu") -> ConvertResult:
     """Convert a DeepSeek-V4 checkpoint (a folder, or a Hub repo id ``owner/name``) to format 1 in ``out``.
 
     ``target``: ``"sm100"`` (format 1's canonical layout) or ``"sm90"`` (routed experts' packed weights in
@@ -331,8 +284,10 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
     folder is created; tensor values (NaN/Inf, NaN scale bytes) are checked as they are read.
     ``resume`` continues an interrupted run in ``out`` (refusing one made from another source or
     options); ``keep_source=False`` deletes each downloaded Hub shard once converted; ``workers``
-    threads convert units in parallel (the bytes written do not depend on it); ``direct_io`` writes the shards
-    with ``O_DIRECT`` where the file system allows it, bypassing the page cache (same bytes). Raises
+    threads convert the plan's pieces in parallel (default: one per CPU; the bytes written do not depend on it);
+    ``direct_io`` writes the shards with ``O_DIRECT`` where the file system allows it, bypassing the page cache
+    (same bytes); ``device="cuda"`` runs the FP8 -> NVFP4 requantisation and the MXFP4 -> NVFP4 cast on a GPU
+    (same bytes as on the CPU). ``ConvertResult.timings`` says where the run's time went. Raises
     :class:`~nvfp4_megamoe.convert.errors.ConvertError` subclasses whose messages name the tensor
     or file. With ``dry_run`` only the plan is made (no shard is downloaded).
     """
@@ -349,16 +304,21 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
             return ConvertResult(out, plan, {})
         if finished is not None:
             return ConvertResult(out, plan, finished, skipped_shards=len(plan.shards))
+        from .pipeline import conversion_device, threads_for_run  # torch from here on
+
+        run_device = conversion_device(device)  # refused (no GPU) before anything is written
         prep = prepare_output(out, src, plan, resume)
+        timing.start()
         try:
-            with _threads_per_unit(workers):
+            with threads_for_run():
                 writer, source_files, skipped = _execute(src, plan, out, prep, workers=workers,
                                                          keep_source=keep_source, progress=progress,
-                                                         direct_io=direct_io)
+                                                         direct_io=direct_io, device=run_device)
         except ConvertError as exc:
             _after_refusal(out, prep.journal, exc)
             raise
-        manifest = _finish(src, plan, out, writer, source_files, prep.journal)
-        return ConvertResult(out, plan, manifest, skipped_shards=skipped)
+        with stage("finish"):
+            manifest = _finish(src, plan, out, writer, source_files, prep.journal)
+        return ConvertResult(out, plan, manifest, skipped_shards=skipped, timings=timing.report())
     finally:
         src.close()

@@ -21,7 +21,7 @@ from nvfp4_megamoe.errors import Nvfp4MegamoeError
 from nvfp4_megamoe.input_files import folder_problem
 
 from .hashing import hash_ahead
-from .options import DEFAULT_SHARD_SIZE, TARGETS
+from .options import DEFAULT_SHARD_SIZE, TARGETS, default_workers
 from .summary import counted, matrix_counts, matrix_line, tensor_kind, tensor_kinds, tensor_line
 from .synth_config import PRESETS, VARIANTS
 
@@ -151,14 +151,22 @@ def main() -> None:
 @click.option("--keep-source/--no-keep-source", default=True, show_default=True,
               help="Hub sources: keep downloaded shards in the HF cache, or stage them in OUT and delete each "
                    "once converted (disk holds a few shards).")
-@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 64),
-              help="Threads converting units in parallel (the output bytes do not depend on it).")
+@click.option("--workers", default=default_workers(), show_default="one per CPU, at most 32", type=click.IntRange(1, 64),
+              help="Threads converting in parallel (the output bytes do not depend on it).")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the FP8 -> NVFP4 and MXFP4 -> NVFP4 numerics run: cpu, or cuda (cuda:N) on a GPU. The "
+                   "output bytes are the same.")
 @click.option("--direct-io/--buffered-io", default=True, show_default=True,
               help="Write shards with O_DIRECT (past the page cache) where the file system allows it, or buffered. "
                    "The output bytes are the same.")
+@click.option("--timings", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Write where the run's time went (wall and CPU seconds per stage and per thread) to this JSON file.")
 def convert(source: str, out: Path, dense: str, target: str, shard_size: int, dry_run: bool, progress: bool,
-            revision: str | None, resume: bool, keep_source: bool, workers: int, direct_io: bool) -> None:
+            revision: str | None, resume: bool, keep_source: bool, workers: int, device: str, direct_io: bool,
+            timings: Path | None) -> None:
     """Convert SOURCE (a checkpoint folder, or a Hub repo id owner/name) into OUT."""
+    if timings is not None and not timings.parent.is_dir():
+        raise click.BadParameter(f"the folder {timings.parent} does not exist; create it first", param_hint="--timings")
     if not (dry_run or resume) and Path(source).is_dir():
         # Before torch is imported (over a second on one core): the source hashes get under way meanwhile.
         hash_ahead(sorted(p for p in Path(source).glob("*.safetensors") if p.is_file()))
@@ -168,7 +176,7 @@ def convert(source: str, out: Path, dense: str, target: str, shard_size: int, dr
         result = convert_checkpoint(source, out, dense=dense, target=target, shard_size=shard_size, dry_run=dry_run,
                                     progress=progress, on_plan=lambda p: click.echo(format_plan(p)),
                                     revision=revision, resume=resume, keep_source=keep_source, workers=workers,
-                                    direct_io=direct_io)
+                                    direct_io=direct_io, device=device)
     except REFUSALS as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -178,6 +186,11 @@ def convert(source: str, out: Path, dense: str, target: str, shard_size: int, dr
     if dry_run:
         click.echo("dry run: nothing written")
         return
+    if timings is not None and result.timings is not None:
+        try:
+            timings.write_text(json.dumps(result.timings, indent=1))
+        except OSError as exc:
+            _fail(exc)
     if result.skipped_shards:
         click.echo(f"resumed: {result.skipped_shards} of {len(result.plan.shards)} shards were already finished")
     click.echo(f"wrote {_shards(len(result.plan.shards))}, {tensor_line(tensor_kinds(result.manifest['tensors']))}, "

@@ -3,14 +3,14 @@
 
 hashlib releases the GIL on large buffers, so all of these run beside the conversion.
 
-Output shards. Units fill a shard's tensors out of order (two workers, each at its own offsets), but a shard's
-sha256 must run front to back. :class:`PrefixHash` tracks which tensors are complete and hashes
-the file's complete prefix as it grows, on the hash thread, straight from the page cache through
+Output shards. Workers fill a shard out of order (each piece at its own offsets), but a shard's
+sha256 must run front to back. :class:`PrefixHash` tracks which byte ranges are final and hashes
+the file's complete prefix as it grows, on a hash thread, straight from the page cache through
 a read-only mapping of its own descriptor (so it outlives the writer's, and the rename; no copy), or,
 for a shard written with ``O_DIRECT`` (:mod:`.direct_io`), by direct reads of its descriptor.
-The writer gives a shard its full size before the first byte, so the mapping covers it all. The pieces it
-is told about are final when marked complete (a unit marks its outputs only once all are
-written), so the digest is exactly that of the finished file.
+The writer gives a shard its full size before the first byte, so the mapping covers it all. The ranges it
+is told about are final when marked complete (a piece marks its ranges once it has written them),
+so the digest is exactly that of the finished file.
 
 Source shards. Importing torch keeps one core busy for over a second before the converter can
 start; the CLI calls :func:`hash_ahead` first, so the source hashes the manifest records are under
@@ -27,10 +27,19 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 from .direct_io import DirectFile
+from .timing import stage
 
 HASH_CHUNK = 8 * 1024 * 1024
+
+
+def hash_threads() -> int:
+    """Threads that hash files side by side: a quarter of the CPUs, 1 to 4 (sha256 runs at 1.3-2 GB/s a core, so
+    four outrun a fast disk; on a small machine the conversion needs the cores)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cpus // 4))
 
 
 def sha256_file(path: str | Path, chunk: int = 16 * 1024 * 1024) -> str:
@@ -40,7 +49,7 @@ def sha256_file(path: str | Path, chunk: int = 16 * 1024 * 1024) -> str:
     """
     h = hashlib.sha256()
     view = memoryview(bytearray(chunk))
-    with open(path, "rb", buffering=0) as f:
+    with open(path, "rb", buffering=0) as f, stage("hash-file"):
         while n := f.readinto(view):
             h.update(view[:n])
     return h.hexdigest()
@@ -56,7 +65,8 @@ def file_stamp(path: str | Path) -> Stamp:
 
 
 def hash_ahead(paths: list[Path]) -> None:
-    """Start hashing ``paths``, in this order, on a daemon thread (it never holds up the interpreter's exit).
+    """Start hashing ``paths``, in this order, on :func:`hash_threads` daemon threads (they never hold up the
+    interpreter's exit).
 
     A path already started (and not yet taken) is not started again.
     """
@@ -66,10 +76,12 @@ def hash_ahead(paths: list[Path]) -> None:
         if key not in _ahead:
             _ahead[key] = Future()
             jobs.append((p, _ahead[key]))
-    threading.Thread(target=_hash_all, args=(jobs,), name="sha256-ahead", daemon=True).start()
+    queue = iter(jobs)  # shared by the threads: next() on a list iterator is atomic
+    for k in range(min(hash_threads(), len(jobs))):
+        threading.Thread(target=_hash_all, args=(queue,), name=f"sha256-ahead_{k}", daemon=True).start()
 
 
-def _hash_all(jobs: list[tuple[Path, Future]]) -> None:
+def _hash_all(jobs: Iterator[tuple[Path, Future]]) -> None:
     for path, future in jobs:
         if not future.set_running_or_notify_cancel():
             continue
@@ -95,36 +107,47 @@ def hashed_ahead(path: str | Path) -> str | None:
 
 
 class PrefixHash:
-    """sha256 of the file behind ``fd`` (duplicated here), whose byte ranges ``pieces`` [(start, end), ...]
-    tile it front to back; the first piece (the header) is complete from the start."""
+    """sha256 of the file behind ``fd`` (duplicated here), whose first ``header`` bytes are final from the start
+    and whose other bytes become final in ranges (:meth:`complete`) that tile the rest of it, in any order.
 
-    def __init__(self, fd: int, pieces: list[tuple[int, int]], pool: ThreadPoolExecutor,
-                 direct: DirectFile | None = None):
+    At most one catch-up task per file waits in ``pool`` (it hashes to wherever the complete prefix has got
+    when it runs), so a pool of several threads hashes several files side by side."""
+
+    def __init__(self, fd: int, header: int, pool: ThreadPoolExecutor, direct: DirectFile | None = None):
         self.fd = os.dup(fd)
         self.direct = direct  # an O_DIRECT file: read back through it (no page cache to map)
-        self.ends = dict(pieces)
-        self.order = [start for start, _ in pieces]
-        self.complete_starts = {self.order[0]} if self.order else set()
-        self.next = 1 if self.order else 0  # index of the first piece not yet known complete
+        self.front = header  # end of the complete prefix
+        self.ahead: dict[int, int] = {}  # complete ranges beyond the front: start -> end
+        self.queued = False  # a catch-up task waits in the pool
         self.pool = pool
         self.sha = hashlib.sha256()
         self.pos = 0
         self.view: memoryview | None = None  # of the mapping, made on first use
         self.marks = threading.Lock()  # completion bookkeeping (worker threads)
-        self.io = threading.Lock()  # the descriptor and the hash state (hash thread; close)
+        self.io = threading.Lock()  # the descriptor and the hash state (hash threads; close)
 
-    def complete(self, start: int) -> None:
-        """The piece starting at ``start`` is final; hash whatever prefix that completes (in the background)."""
+    def complete(self, start: int, end: int) -> None:
+        """Bytes [start, end) are final; hash whatever prefix that completes (in the background)."""
+        if end <= start:
+            return
         with self.marks:
-            self.complete_starts.add(start)
-            advanced = False
-            while self.next < len(self.order) and self.order[self.next] in self.complete_starts:
-                self.next += 1
-                advanced = True
-            if not advanced:
+            self.ahead[start] = end
+            front = self.front
+            while front in self.ahead:
+                front = self.ahead.pop(front)
+            if front == self.front:
                 return
-            end = self.ends[self.order[self.next - 1]]
-        self.pool.submit(self._hash_to, end)
+            self.front = front
+            if self.queued:
+                return
+            self.queued = True
+        self.pool.submit(self._catch_up)
+
+    def _catch_up(self) -> None:
+        with self.marks:
+            self.queued = False
+            end = self.front
+        self._hash_to(end)
 
     def finish(self, size: int) -> Future:
         """Hash to ``size`` (the whole file) and release the descriptor: a future of the hex digest."""
@@ -153,7 +176,7 @@ class PrefixHash:
             self.close()
 
     def _hash_to(self, end: int) -> None:
-        # Runs on the one hash thread, so calls happen in submission order; the lock guards against close().
+        # Calls may come in any order (several hash threads): each hashes on from wherever the last one stopped.
         with self.io:
             if self.fd < 0 or self.pos >= end:
                 return
@@ -165,7 +188,8 @@ class PrefixHash:
                 self.view = memoryview(mmap.mmap(self.fd, 0, prot=mmap.PROT_READ))
             if end > len(self.view):
                 raise OSError(errno.EIO, f"shard is {len(self.view)} bytes, hashing to {end}")
-            while self.pos < end:
-                n = min(HASH_CHUNK, end - self.pos)
-                self.sha.update(self.view[self.pos:self.pos + n])
-                self.pos += n
+            with stage("hash-output"):
+                while self.pos < end:
+                    n = min(HASH_CHUNK, end - self.pos)
+                    self.sha.update(self.view[self.pos:self.pos + n])
+                    self.pos += n

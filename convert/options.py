@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 
 DEFAULT_SHARD_SIZE = 5 * 10**9
 DENSE_MODES = ("nvfp4", "keep")
+
 # sm100: format 1's canonical layout (Blackwell's). sm90: the same, with the routed experts' packed weights in
 # Hopper row tiles (``kernels/row_tiles.py``), which the SM90 MoE kernels read 6-12 % faster on an H200.
 TARGETS = ("sm100", "sm90")
+
+
+def default_workers() -> int:
+    """The converter's worker threads unless told: one per CPU this process may run on, at most 32."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(32, cpus))
 
 
 @dataclass

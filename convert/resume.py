@@ -32,6 +32,7 @@ from nvfp4_megamoe.runtime.format import shard_name
 
 from .errors import ConvertError, OutputError, shown
 from .plan import Plan
+from .timing import stage
 
 JOURNAL_FILE = ".nvfp4_progress.json"
 # 2: --target sm90 shards hold Hopper-order words; a journal of 1 may list shards of the first row-tile layout
@@ -158,7 +159,8 @@ class Journal:
                     "shards": dict(sorted(self.shards.items())), "units": self.units}
             text = json.dumps(data, indent=1, allow_nan=False)  # key order kept: the manifest repeats it
             try:
-                write_atomic(self.path, text.encode())
+                with stage("journal"):
+                    write_atomic(self.path, text.encode())
             except OSError as exc:
                 raise OutputError(f"{self.path}: cannot write the progress journal ({exc.strerror or exc})",
                                   path=self.path) from None

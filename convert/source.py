@@ -13,10 +13,10 @@ The surface the converter uses (both sources):
   ``stamp(f)`` (what ``--resume`` compares to see that a local file did not change);
 * ``fetch(f)`` (make a shard readable: a no-op locally, a pinned download from the Hub) and
   ``release(f)`` (a shard is no longer needed: the Hub source may delete its download);
-* ``read(name)`` / ``scan(name)`` / ``fd_and_range(name)``: tensor data, thread-safe. ``read`` and
-  ``scan`` (which streams a tensor in chunks and keeps nothing) refuse values a checkpoint cannot hold
-  (NaN/Inf floats, NaN E4M3 bytes, the E8M0 NaN byte 0xFF, block scales whose products overflow
-  float32), naming the tensor and its file.
+* ``read(name)`` / ``read_piece(name, at, count)`` / ``fd_and_range(name)``: tensor data, thread-safe.
+  ``read`` refuses values a checkpoint cannot hold (NaN/Inf floats, NaN E4M3 bytes, the E8M0 NaN byte
+  0xFF, block scales whose products overflow float32), naming the tensor and its file; ``read_piece``
+  (a tensor read in pieces, on several threads) returns what the piece holds for the caller to refuse.
 
 Every file is opened as a regular file only (``nvfp4_megamoe.input_files``): a FIFO or device in a
 checkpoint folder is reported as such, never read (a read could block forever).
@@ -34,9 +34,12 @@ from nvfp4_megamoe.input_files import file_kind, folder_problem, not_regular, op
 
 from .errors import SourceError, shown
 from .safetensors_header import DTYPES, Header, TensorInfo, read_header, torch_dtype
+from .timing import stage
 
 if TYPE_CHECKING:
     import torch
+
+    from .value_screen import ValueScreen
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -100,7 +103,6 @@ def read_json(path: Path, what: str) -> dict:
 
 # The largest magnitude an element of each block-scaled weight format holds (the scales multiply it).
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
-SCAN_CHUNK = 16 << 20  # bytes of a streamed tensor checked at a time
 
 
 class FileReader:
@@ -133,17 +135,18 @@ class FileReader:
     def _pread_into(self, t: SourceTensor, buf: torch.Tensor, at: int) -> None:
         """Fill ``buf`` (uint8) with the tensor's bytes from ``at`` on, straight into its memory (``preadv``)."""
         view, done, fd = memoryview(buf.numpy()), 0, self._fd(t.file)
-        while done < buf.numel():
-            try:
-                n = os.preadv(fd, [view[done:]], t.info.start + at + done)
-            except OSError as exc:
-                raise SourceError(f"{shown(t.file)}: cannot read tensor {shown(t.name)} ({exc.strerror})",
-                                  path=t.file, tensor=t.name) from None
-            if n <= 0:
-                raise SourceError(f"{shown(t.file)}: short read of tensor {shown(t.name)} ({at + done} of "
-                                  f"{t.info.nbytes} bytes); the file changed or is truncated. Copy or download it "
-                                  "again.", path=t.file, tensor=t.name)
-            done += n
+        with stage("read"):
+            while done < buf.numel():
+                try:
+                    n = os.preadv(fd, [view[done:]], t.info.start + at + done)
+                except OSError as exc:
+                    raise SourceError(f"{shown(t.file)}: cannot read tensor {shown(t.name)} ({exc.strerror})",
+                                      path=t.file, tensor=t.name) from None
+                if n <= 0:
+                    raise SourceError(f"{shown(t.file)}: short read of tensor {shown(t.name)} ({at + done} of "
+                                      f"{t.info.nbytes} bytes); the file changed or is truncated. Copy or download "
+                                      "it again.", path=t.file, tensor=t.name)
+                done += n
 
     def read(self, name: str, element_max: float | None = None) -> torch.Tensor:
         """One tensor, as its own dtype and shape, with its values checked (``element_max``: it holds block
@@ -156,25 +159,27 @@ class FileReader:
         buf = torch.empty(t.info.nbytes, dtype=torch.uint8)
         self._pread_into(t, buf, 0)
         tensor = buf.view(torch_dtype(t.info.dtype)).reshape(t.info.shape)
-        check_values(name, t.file, t.info.dtype, tensor, element_max)
+        with stage("check"):
+            check_values(name, t.file, t.info.dtype, tensor, element_max)
         return tensor
 
-    def scan(self, name: str, *, element_max: float | None = None, index_limit: int | None = None) -> None:
-        """Check a tensor's values (``value_screen.ValueScreen``) streaming it in chunks; nothing is kept."""
+    def read_piece(self, name: str, at: int, count: int, *, element_max: float | None = None,
+                   index_limit: int | None = None) -> tuple[torch.Tensor, ValueScreen]:
+        """Bytes ``[at, at + count)`` of a tensor (uint8; whole elements), and what their values hold: a
+        ``value_screen.ValueScreen`` not yet finished (a tensor read in pieces merges its pieces' screens first)."""
         import torch
 
         from .value_screen import ValueScreen
 
         t = self.tensors[name]
         dtype, size = torch_dtype(t.info.dtype), DTYPES[t.info.dtype][1]
+        buf = torch.empty(count, dtype=torch.uint8)
+        self._pread_into(t, buf, at)
         screen = ValueScreen(name, t.file, t.info.dtype, t.info.shape, element_max=element_max,
                              index_limit=index_limit)
-        chunk = SCAN_CHUNK - SCAN_CHUNK % size
-        for at in range(0, t.info.nbytes, chunk):
-            buf = torch.empty(min(chunk, t.info.nbytes - at), dtype=torch.uint8)
-            self._pread_into(t, buf, at)
+        with stage("check"):
             screen.update(buf.view(dtype), at // size)
-        screen.finish()
+        return buf, screen
 
     def fd_and_range(self, name: str) -> tuple[int, int, int]:
         """(file descriptor, start offset, byte count) of a tensor, for zero-copy passthrough."""

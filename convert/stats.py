@@ -26,12 +26,8 @@ class ErrorStats:
     def update(self, reference: torch.Tensor, approx: torch.Tensor) -> None:
         ref, out = reference.float().reshape(-1), approx.float().reshape(-1)
         diff = out - ref
-        self.diff_sq += _dot(diff, diff)
-        self.ref_sq += _dot(ref, ref)
-        self.out_sq += _dot(out, out)
-        self.dot += _dot(ref, out)
-        if diff.numel():
-            self.max_abs = max(self.max_abs, float(diff.abs().max()))
+        self._add(_dot(diff, diff), _dot(ref, ref), _dot(out, out), _dot(ref, out),
+                  float(diff.abs().max()) if diff.numel() else None)
 
     def update_histogram(self, reference: torch.Tensor, approx: torch.Tensor, counts: torch.Tensor) -> None:
         """The same sums over ``counts[i]`` elements valued ``(reference[i], approx[i])`` (float32 each).
@@ -42,12 +38,21 @@ class ErrorStats:
         ref, out, n = reference[seen].float(), approx[seen].float(), counts[seen].double()
         diff = (out - ref).double()
         ref, out = ref.double(), out.double()
-        self.diff_sq += float((n * diff * diff).sum())
-        self.ref_sq += float((n * ref * ref).sum())
-        self.out_sq += float((n * out * out).sum())
-        self.dot += float((n * ref * out).sum())
-        if diff.numel():
-            self.max_abs = max(self.max_abs, float(diff.abs().max()))
+        self._add(float((n * diff * diff).sum()), float((n * ref * ref).sum()), float((n * out * out).sum()),
+                  float((n * ref * out).sum()), float(diff.abs().max()) if diff.numel() else None)
+
+    def _add(self, diff_sq: float, ref_sq: float, out_sq: float, dot: float, max_abs: float | None) -> None:
+        self.diff_sq += diff_sq
+        self.ref_sq += ref_sq
+        self.out_sq += out_sq
+        self.dot += dot
+        if max_abs is not None:
+            self.max_abs = max(self.max_abs, max_abs)
+
+    def replay(self, log: "StatsLog") -> None:
+        """Add the updates ``log`` kept, in their order: the same sums as making them here."""
+        for terms in log.terms:
+            self._add(*terms)
 
     def merge(self, other: "ErrorStats") -> None:
         self.diff_sq += other.diff_sq
@@ -61,3 +66,19 @@ class ErrorStats:
         denom = math.sqrt(self.ref_sq * self.out_sq)
         cos = self.dot / denom if denom else 1.0
         return {"rel_fro": rel, "max_abs": self.max_abs, "cosine": cos}
+
+
+class StatsLog(ErrorStats):
+    """:class:`ErrorStats` updates kept in order instead of summed, for :meth:`ErrorStats.replay`.
+
+    The items of a unit are measured on several threads in any order; replaying their logs in item
+    order gives bit for bit the float sums one thread measuring them in order would, so the manifest's
+    figures do not depend on the number of workers.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.terms: list[tuple] = []
+
+    def _add(self, *terms) -> None:
+        self.terms.append(terms)

@@ -68,11 +68,20 @@ def from_kernel_layout(packed: torch.Tensor, swizzled: torch.Tensor, parts: int)
     return [packed], [scales]
 
 
-def mxfp4_forward(weights: list[torch.Tensor], scales: list[torch.Tensor]) -> KernelMatrix:
-    """MXFP4 parts (int8 [r, K/2], E8M0 [r, K/32]) -> one fused NVFP4 matrix, codes unchanged."""
-    cast = mxfp4_to_nvfp4(weights, scales)
+CPU = torch.device("cpu")
+
+
+def _to(device: torch.device, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Source tensors on ``device``, moved as their bytes (every 8-bit float kind copies to a GPU as bytes)."""
+    return [t if t.device == device else t.view(torch.uint8).to(device).view(t.dtype) for t in tensors]
+
+
+def mxfp4_forward(weights: list[torch.Tensor], scales: list[torch.Tensor], device: torch.device = CPU) -> KernelMatrix:
+    """MXFP4 parts (int8 [r, K/2], E8M0 [r, K/32]) -> one fused NVFP4 matrix, codes unchanged; computed on
+    ``device`` (the same torch ops, the same bytes: ``kernels/mxfp4.py``), returned on the CPU."""
+    cast = mxfp4_to_nvfp4(_to(device, weights), _to(device, scales))
     packed, swz = to_kernel_layout(cast.packed, cast.scales)
-    return KernelMatrix(packed, swz, (cast.alpha,) * len(weights), cast.fallback_blocks)
+    return KernelMatrix(packed.cpu(), swz.cpu(), (cast.alpha,) * len(weights), cast.fallback_blocks)
 
 
 def nvfp4_forward(weights: list[torch.Tensor], scales: list[torch.Tensor], alphas: list[float]) -> KernelMatrix:
@@ -119,17 +128,18 @@ def dequantize_ct_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale
     return (codes.reshape(*eff.shape, BLOCK) * eff.unsqueeze(-1)).flatten(-2)
 
 
-def fp8_forward(weights: list[torch.Tensor], scales: list[torch.Tensor],
-                shared_alpha: bool) -> tuple[KernelMatrix, list[torch.Tensor] | list[ValueHistogram]]:
+def fp8_forward(weights: list[torch.Tensor], scales: list[torch.Tensor], shared_alpha: bool,
+                device: torch.device = CPU) -> tuple[KernelMatrix, list[torch.Tensor] | list[ValueHistogram]]:
     """FP8 parts (block-scaled) -> one fused NVFP4 matrix, plus what its error is measured against
     (:func:`measure_error`): the float32 sources, or per part the tables' exact value histogram.
 
     With ``shared_alpha`` all parts are quantised on one global scale (a dense fused linear has
-    a single alpha); otherwise each part gets its own (routed experts carry a pair).
+    a single alpha); otherwise each part gets its own (routed experts carry a pair). The tables path is
+    computed on ``device`` with the CPU's bytes (``kernels/fp8_nvfp4.py``); the result is returned on the CPU.
     """
-    cast = fp8_to_nvfp4(weights, scales, shared_alpha)
+    cast = fp8_to_nvfp4(_to(device, weights), _to(device, scales), shared_alpha)
     p, swz = to_kernel_layout(cast.packed, cast.scales)
-    return KernelMatrix(p, swz, cast.alphas), cast.histograms or cast.sources
+    return KernelMatrix(p.cpu(), swz.cpu(), cast.alphas), cast.histograms or cast.sources
 
 
 # Rows dequantised at a time when measuring error, so float32 copies of a large matrix never coexist.

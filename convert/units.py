@@ -2,14 +2,15 @@
 
 A unit knows, from source headers alone, every output tensor's name, dtype, shape and sources
 (so the writer can lay out shard headers before converting), and how to produce the bytes
-piece by piece (expert by expert for stacked tensors), which bounds memory by one expert.
+piece by piece: expert by expert for stacked tensors, a copied tensor in 4 MiB stretches. A piece
+bounds the memory it needs; pieces run side by side on the converter's workers (``pipeline.py``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -22,7 +23,9 @@ from nvfp4_megamoe.runtime.format import ROW_TILES_STEP, alpha_shape, fused_expe
 
 from .safetensors_header import DTYPES
 from .source import E2M1_MAX, E4M3_MAX
-from .stats import ErrorStats
+from .value_screen import ValueScreen
+from .stats import ErrorStats, StatsLog
+from .timing import stage
 from .transforms import (KernelMatrix, ct_alpha, ct_alpha_is_exact, ct_nvfp4_forward, dequantize_ct_nvfp4, fp8_forward,
                          measure_error, mxfp4_forward, nvfp4_forward)
 
@@ -67,32 +70,51 @@ class OutputSpec:
 
 class Reader(Protocol):
     def read(self, name: str, element_max: float | None = None) -> torch.Tensor: ...
-    def scan(self, name: str, *, element_max: float | None = None, index_limit: int | None = None) -> None: ...
-    def fd_and_range(self, name: str) -> tuple[int, int, int]: ...
+    def read_piece(self, name: str, at: int, count: int, *, element_max: float | None = None,
+                   index_limit: int | None = None) -> tuple[torch.Tensor, ValueScreen]: ...
 
 
 class Sink(Protocol):
     def write(self, name: str, offset: int, data: torch.Tensor) -> None: ...
-    def copy(self, name: str, fd: int, start: int, count: int) -> None: ...
+
+
+# A byte range of an output tensor: (output name, offset into it, bytes).
+Filled = tuple[str, int, int]
 
 
 class Unit(Protocol):
+    """Converts its sources into its outputs in pieces (experts, or stretches of a copied tensor) that run in any
+    order, on any thread, each writing its own byte ranges; :meth:`finish` then takes the pieces' results in piece
+    order, so what a unit records does not depend on the order or the threads its pieces ran on."""
+
     key: str
     sources: list[str]
     outputs: list[OutputSpec]
 
-    def items(self) -> int: ...
-    def run(self, src: Reader, sink: Sink, tick: Callable[[int], None]) -> None: ...
+    def pieces(self) -> int: ...
+    def filled(self, k: int) -> list[Filled]: ...
+    def run_piece(self, src: Reader, sink: Sink, k: int, device: torch.device) -> object: ...
+    def finish(self, results: list) -> None: ...
+
+
+def run_unit(unit: Unit, src: Reader, sink: Sink, device: torch.device | str = "cpu") -> None:
+    """All of a unit's pieces, in order, on this thread (what the converter's workers do, spread over threads)."""
+    unit.finish([unit.run_piece(src, sink, k, torch.device(device)) for k in range(unit.pieces())])
 
 
 def _scalar(t: torch.Tensor) -> float:
     return float(t.float().reshape(-1)[0])
 
 
+# Bytes of a copied tensor read, checked and written as one piece (a multiple of every element size).
+COPY_PIECE = 4 << 20
+
+
 @dataclass
 class Passthrough:
-    """A tensor copied byte for byte, its values checked first (``Reader.scan``: no NaN/Inf; ``element_max``
-    for the block scales of an FP8 linear kept as it is, ``index_limit`` for a hash layer's ``tid2eid``)."""
+    """A tensor copied byte for byte in pieces of :data:`COPY_PIECE`, each checked as it is read
+    (:meth:`Reader.read_piece`: no NaN/Inf; ``element_max`` for the block scales of an FP8 linear kept as it is,
+    ``index_limit`` for a hash layer's ``tid2eid``); what the pieces found is refused once all are in."""
 
     name: str
     dtype: str
@@ -105,14 +127,34 @@ class Passthrough:
         self.sources = [self.name]
         self.outputs = [OutputSpec(self.name, self.dtype, self.shape, [self.name], ["copy"])]
 
-    def items(self) -> int:
-        return 1
+    def pieces(self) -> int:
+        return max(1, -(-self.outputs[0].nbytes // COPY_PIECE))
 
-    def run(self, src: Reader, sink: Sink, tick: Callable[[int], None]) -> None:
-        src.scan(self.name, element_max=self.element_max, index_limit=self.index_limit)
-        fd, start, count = src.fd_and_range(self.name)
-        sink.copy(self.name, fd, start, count)
-        tick(count)
+    def filled(self, k: int) -> list[Filled]:
+        return [(self.name, k * COPY_PIECE, min(COPY_PIECE, self.outputs[0].nbytes - k * COPY_PIECE))]
+
+    def run_piece(self, src: Reader, sink: Sink, k: int, device: torch.device) -> ValueScreen:
+        _, at, count = self.filled(k)[0]
+        data, screen = src.read_piece(self.name, at, count, element_max=self.element_max,
+                                      index_limit=self.index_limit)
+        sink.write(self.name, at, data)
+        return screen
+
+    def finish(self, results: list[ValueScreen]) -> None:
+        screen = results[0]
+        for later in results[1:]:
+            screen.merge(later)
+        screen.finish()
+
+
+@dataclass
+class ItemResult:
+    """What converting one item (expert) of a :class:`FusedMatrices` measured."""
+
+    inexact_blocks: int = 0
+    stats: StatsLog | None = None  # the error measured against the float source, when the result may be inexact
+    inexact_alphas: int = 0  # compressed-tensors: halves whose alpha is not exactly 1 / global scale
+    unrecoverable_global_scales: int = 0
 
 
 @dataclass
@@ -159,80 +201,93 @@ class FusedMatrices:
                                           inputs, ["stack_input_scales"])
             self.input_role = irole
             self.outputs.append(self.input_scale)
-        self.stats = ErrorStats()
-        self.inexact = 0
-        self.measured = False  # an item's result was compared with its float source (not bit-exact)
-        self.inexact_alphas = self.unrecoverable_global_scales = 0  # compressed-tensors: per (expert, half)
 
-    def items(self) -> int:
+    def pieces(self) -> int:
         return len(self.members)
 
-    def convert_item(self, src: Reader, item: list[dict[str, str]]
+    def filled(self, e: int) -> list[Filled]:
+        """Item ``e``'s share of each output: every output holds its items back to back."""
+        n = len(self.members)
+        return [(o.name, e * (o.nbytes // n), o.nbytes // n) for o in self.outputs]
+
+    def convert_item(self, src: Reader, item: list[dict[str, str]], found: ItemResult, device: torch.device
                      ) -> tuple[KernelMatrix, list[torch.Tensor] | list[ValueHistogram] | None]:
-        """Forward transform of one item; also returns, when the result may be inexact, what its error is
-        measured against (:func:`~.transforms.measure_error`)."""
+        """Forward transform of one item on ``device`` (the FP8 and MXFP4 numerics; the rest moves bytes on the
+        CPU); also returns, when the result may be inexact, what its error is measured against
+        (:func:`~.transforms.measure_error`)."""
         if self.fmt == "mxfp4":
             w = [src.read(p["weight"]) for p in item]
             s = [src.read(p["scale"], E2M1_MAX) for p in item]
-            m = mxfp4_forward(w, s)
+            with stage("convert"):
+                m = mxfp4_forward(w, s, device)
             return m, ([dequantize_mxfp4(a, b) for a, b in zip(w, s)] if m.inexact_blocks else None)
         if self.fmt == "nvfp4":
             w = [src.read(p["weight"]) for p in item]
             s = [src.read(p["weight_scale"]) for p in item]
             a = [_scalar(src.read(p["weight_scale_2"])) for p in item]
-            m = nvfp4_forward(w, s, a)
+            with stage("convert"):
+                m = nvfp4_forward(w, s, a)
             ref = [dequantize_nvfp4(x.view(torch.uint8), y.view(torch.uint8), z) for x, y, z in zip(w, s, a)]
             return m, (ref if m.inexact_blocks else None)
         if self.fmt == "ct_nvfp4":
             w = [src.read(p["weight_packed"]) for p in item]
             s = [src.read(p["weight_scale"]) for p in item]
             gs = [_scalar(src.read(p["weight_global_scale"])) for p in item]
-            m = ct_nvfp4_forward(w, s, gs)
+            with stage("convert"):
+                m = ct_nvfp4_forward(w, s, gs)
             exact = all(ct_alpha_is_exact(g) for g in gs)
-            self.inexact_alphas += sum(not ct_alpha_is_exact(g) for g in gs)
-            self.unrecoverable_global_scales += sum(ct_alpha(a) != g for a, g in zip(m.alphas, gs))
+            found.inexact_alphas += sum(not ct_alpha_is_exact(g) for g in gs)
+            found.unrecoverable_global_scales += sum(ct_alpha(a) != g for a, g in zip(m.alphas, gs))
             return m, (None if exact else [dequantize_ct_nvfp4(x, y, g) for x, y, g in zip(w, s, gs)])
-        return fp8_forward([src.read(p["weight"]) for p in item], [src.read(p["scale"], E4M3_MAX) for p in item],
-                           shared_alpha=not self.stacked)
+        w = [src.read(p["weight"]) for p in item]
+        s = [src.read(p["scale"], E4M3_MAX) for p in item]
+        with stage("convert"):
+            return fp8_forward(w, s, shared_alpha=not self.stacked, device=device)
 
-    def run(self, src: Reader, sink: Sink, tick: Callable[[int], None]) -> None:
-        parts = len(self.members[0])
-        n = len(self.members)
-        w_bytes = self.weight.nbytes // n if self.stacked else 0
-        s_bytes = self.scale.nbytes // n if self.stacked else 0
-        for e, item in enumerate(self.members):
-            m, ref = self.convert_item(src, item)
-            if not all(math.isfinite(a) and a > 0 for a in m.alphas):
-                raise ValueError(f"the global scale (alpha) of {self._where(e)} comes out as {list(m.alphas)}; the "
-                                 "source values overflow or vanish in float32 (check its scale tensors)")
-            self.inexact += m.inexact_blocks
-            if ref is not None:
-                self.measured = True
-                measure_error(self.stats, m, ref)
-            sink.write(self.weight.name, e * w_bytes, tile_rows(m.packed) if self.row_tiles else m.packed)
-            sink.write(self.scale.name, e * s_bytes, m.scales)
-            alphas = torch.tensor(m.alphas[: self.alphas_per_item], dtype=torch.float32)
-            sink.write(self.alpha.name, e * 4 * self.alphas_per_item, alphas)
-            if self.input_scale is not None:
-                scales = torch.tensor([_scalar(src.read(p[self.input_role])) for p in item], dtype=torch.float32)
-                sink.write(self.input_scale.name, e * 4 * parts, scales)
-            tick(sum(o.nbytes for o in self.outputs) // n)  # this item's share of every output (the bar's total)
-        self._record()
+    def run_piece(self, src: Reader, sink: Sink, e: int, device: torch.device) -> ItemResult:
+        found = ItemResult()
+        item = self.members[e]
+        m, ref = self.convert_item(src, item, found, device)
+        if not all(math.isfinite(a) and a > 0 for a in m.alphas):
+            raise ValueError(f"the global scale (alpha) of {self._where(e)} comes out as {list(m.alphas)}; the "
+                             "source values overflow or vanish in float32 (check its scale tensors)")
+        found.inexact_blocks = m.inexact_blocks
+        if ref is not None:
+            found.stats = StatsLog()
+            with stage("measure"):
+                measure_error(found.stats, m, ref)
+        (weight, w_at, _), (scale, s_at, _), (alpha, a_at, _), *inputs = self.filled(e)
+        with stage("convert"):
+            packed = tile_rows(m.packed) if self.row_tiles else m.packed
+        sink.write(weight, w_at, packed)
+        sink.write(scale, s_at, m.scales)
+        sink.write(alpha, a_at, torch.tensor(m.alphas[: self.alphas_per_item], dtype=torch.float32))
+        for name, at, _ in inputs:
+            sink.write(name, at, torch.tensor([_scalar(src.read(p[self.input_role])) for p in item],
+                                              dtype=torch.float32))
+        return found
 
-    def _where(self, e: int) -> str:
-        return f"expert {e} of {self.prefix}" if self.stacked else self.prefix
-
-    def _record(self) -> None:
-        if self.measured and not all(math.isfinite(v) for v in self.stats.result().values()):
-            raise ValueError(f"the measured conversion error of {self.prefix} is {self.stats.result()}, not finite: "
+    def finish(self, results: list[ItemResult]) -> None:
+        """Sum the items' measurements in item order and record them on the outputs."""
+        stats = ErrorStats()
+        for r in results:
+            if r.stats is not None:
+                stats.replay(r.stats)
+        inexact = sum(r.inexact_blocks for r in results)
+        measured = any(r.stats is not None for r in results)
+        if measured and not all(math.isfinite(v) for v in stats.result().values()):
+            raise ValueError(f"the measured conversion error of {self.prefix} is {stats.result()}, not finite: "
                              "the source values overflow float32 (check its scale tensors)")
-        lossless = self.fmt != "fp8" and self.inexact == 0 and not self.measured
+        lossless = self.fmt != "fp8" and inexact == 0 and not measured
         for spec in (self.weight, self.scale, self.alpha):
             spec.lossless = lossless
             if not lossless:
-                spec.error = self.stats.result()
+                spec.error = stats.result()
             if self.fmt != "fp8":
-                spec.notes["inexact_blocks"] = self.inexact
+                spec.notes["inexact_blocks"] = inexact
             if self.fmt == "ct_nvfp4":
-                spec.notes["inexact_alphas"] = self.inexact_alphas
-                spec.notes["unrecoverable_global_scales"] = self.unrecoverable_global_scales
+                spec.notes["inexact_alphas"] = sum(r.inexact_alphas for r in results)
+                spec.notes["unrecoverable_global_scales"] = sum(r.unrecoverable_global_scales for r in results)
+
+    def _where(self, e: int) -> str:
+        return f"expert {e} of {self.prefix}" if self.stacked else self.prefix

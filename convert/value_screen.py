@@ -110,6 +110,11 @@ class ValueScreen:
                 self._note((t < 0) | (t >= self.index_limit), base, f"indices outside [0, {self.index_limit})",
                            f"expert indices below n_routed_experts = {self.index_limit}")
 
+    def merge(self, later: "ValueScreen") -> None:
+        """Add what the screen of a later piece of the same tensor found."""
+        for what, (count, first, expected) in later.found.items():
+            self.found.setdefault(what, [0, first, expected])[0] += count
+
     def problems(self) -> list[str]:
         """What was found, one sentence per kind of bad value (empty when the values hold)."""
         return [f"holds {count} {what}, the first at flat index {first}; expected {expected}"

@@ -5,9 +5,10 @@ front (so a full disk fails early, not at the last byte), filled piece by piece 
 fsynced and only then renamed to its final name. A folder with partial files and no index never
 looks like a finished conversion.
 
-The sha256 of a shard is computed while it fills (:mod:`.hashing`); on a thread of its own, the
-writeback of completed tensors is started at once and a finished shard is fsynced and renamed, so
-none of this holds up the conversion of what follows.
+The sha256 of a shard is computed while it fills (:mod:`.hashing`: each byte range joins it once
+:meth:`ShardWriter.filled` says it is final); on a thread of its own, the writeback of completed ranges
+is started at once and a finished shard is fsynced and renamed, so none of this holds up the
+conversion of what follows. Shards fill side by side where the pieces under way write to several.
 
 Shards are written with ``O_DIRECT`` where the file system takes it (:mod:`.direct_io`; ``direct_io=False``
 writes through the page cache).
@@ -26,13 +27,13 @@ import torch
 
 from nvfp4_megamoe.runtime.format import SHARD_METADATA, shard_name
 
-from .direct_io import DirectFile, ThreadBuffer, open_direct, pwrite_all
+from .direct_io import DirectFile, open_direct, pwrite_all
 from .errors import OutputError
 from .safetensors_header import encode_header
 from .hashing import PrefixHash
-from .units import OutputSpec
+from .timing import stage
+from .units import Filled, OutputSpec
 
-COPY_CHUNK = 64 * 1024 * 1024
 # Completed tensors at least this large have their writeback started at once (small ones wait for the fsync).
 WRITEBACK_MIN = 1 << 20
 
@@ -82,46 +83,11 @@ def _pwrite_all(fd: int, data: memoryview, pos: int, path: Path) -> None:
         raise _disk_error(exc, path) from None
 
 
-def _copy_all(src_fd: int, start: int, count: int, fd: int, pos: int, path: Path) -> None:
-    done = 0
-    try:
-        while done < count:
-            n = os.copy_file_range(src_fd, fd, min(COPY_CHUNK, count - done), start + done, pos + done)
-            if n == 0:
-                raise OSError(errno.EIO, "source ended early")
-            done += n
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-            raise _disk_error(exc, path) from None
-        while done < count:
-            chunk = os.pread(src_fd, min(COPY_CHUNK, count - done), start + done)
-            if not chunk:
-                raise _disk_error(OSError(errno.EIO, "source ended early"), path) from None
-            _pwrite_all(fd, memoryview(chunk), pos + done, path)
-            done += len(chunk)
-
-
-_copy_buffer = ThreadBuffer(8 << 20)  # source bytes on their way to an O_DIRECT shard (not the bounce buffer)
-
-
-def _copy_direct(src_fd: int, start: int, count: int, out: DirectFile, pos: int, path: Path) -> None:
-    """Source bytes to an O_DIRECT shard: read into a reused buffer, written through the shard's blocks."""
-    buf, done = _copy_buffer.get(), 0
-    try:
-        while done < count:
-            n = os.preadv(src_fd, [buf[:min(len(buf), count - done)]], start + done)
-            if n <= 0:
-                raise OSError(errno.EIO, "source ended early")
-            out.pwrite(buf[:n], pos + done)
-            done += n
-    except OSError as exc:
-        raise _disk_error(exc, path) from None
-
-
 class ShardWriter:
-    """Writes the plan's shards into ``out``; call :meth:`written` as outputs complete.
+    """Writes the plan's shards into ``out``; call :meth:`filled` as byte ranges of outputs are final and
+    :meth:`written` as outputs complete.
 
-    Thread-safe: units running in parallel write disjoint byte ranges. Shards
+    Thread-safe: pieces running in parallel write disjoint byte ranges. Shards
     named in ``done`` (finished by an earlier run, verified by ``--resume``) are not written
     again: writes to them are dropped. ``on_finish(name, size, sha256_future)`` is called
     when a shard has been fsynced and renamed to its final name (on the writer's finishing
@@ -139,7 +105,6 @@ class ShardWriter:
         self.layout: list[tuple[bytes, int]] = []
         self.where: dict[str, tuple[int, int, int]] = {}
         self.pending: list[set[str]] = []
-        self.pieces: list[list[tuple[int, int]]] = []  # per shard, header then tensors, as (start, end)
         for i, shard in enumerate(shards):
             head, offsets = encode_header([(o.name, o.dtype, o.shape, o.nbytes) for o in shard], dict(SHARD_METADATA))
             size = (offsets[-1] + shard[-1].nbytes) if shard else len(head)
@@ -147,7 +112,6 @@ class ShardWriter:
             for o, off in zip(shard, offsets):
                 self.where[o.name] = (i, off, o.nbytes)
             self.pending.append({o.name for o in shard})
-            self.pieces.append([(0, len(head))] + [(off, off + o.nbytes) for o, off in zip(shard, offsets)])
         self.fds: dict[int, int] = {}
         # One writer per buffered shard at a time: concurrent pwrites to one file contend on its inode lock, where
         # the kernel spins and burns the CPU another thread could use; waiting on a Python lock sleeps instead.
@@ -205,7 +169,7 @@ class ShardWriter:
                     self.direct[i] = direct
                 else:
                     _pwrite_all(fd, memoryview(head), 0, path)
-                self.streams[i] = PrefixHash(fd, self.pieces[i], self.pool, direct=direct)
+                self.streams[i] = PrefixHash(fd, len(head), self.pool, direct=direct)
             except (OSError, OutputError) as exc:
                 if direct is not None:
                     self.direct.pop(i, None)
@@ -229,6 +193,10 @@ class ShardWriter:
 
     def write(self, name: str, offset: int, data: torch.Tensor) -> None:
         """Write a tensor's bytes at ``offset`` bytes into output tensor ``name``."""
+        with stage("write"):
+            self._write(name, offset, data)
+
+    def _write(self, name: str, offset: int, data: torch.Tensor) -> None:
         raw = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         target = self._target(name, offset, raw.nbytes)
         if target is not None:
@@ -243,47 +211,46 @@ class ShardWriter:
             except OSError as exc:
                 raise _disk_error(exc, self.tmp_path(i)) from None
 
-    def copy(self, name: str, src_fd: int, start: int, count: int) -> None:
-        """Copy ``count`` bytes of a source file into output tensor ``name`` (in-kernel where possible)."""
-        target = self._target(name, 0, count)
-        if target is None:
-            return
-        i, fd, pos = target
-        direct = self.direct.get(i)
-        if direct is not None:
-            _copy_direct(src_fd, start, count, direct, pos, self.tmp_path(i))
-            return
-        with self.write_locks[i]:
-            _copy_all(src_fd, start, count, fd, pos, self.tmp_path(i))
+    def filled(self, ranges: list[Filled]) -> None:
+        """Byte ranges of outputs are written and final: they join their shard's running hash, and the writeback
+        of large ones starts (buffered shards)."""
+        self._raise_finish_error()
+        marks, flush = [], []
+        with self.lock:
+            for name, offset, count in ranges:
+                i, base, _ = self.where[name]
+                if i in self.done_shards or count <= 0:
+                    continue
+                self._open(i)
+                marks.append((self.streams[i], base + offset, base + offset + count))
+                if count >= WRITEBACK_MIN and i not in self.direct:  # O_DIRECT leaves nothing to write back
+                    flush.append((i, base + offset, count))
+            self.finishing += [self.finisher.submit(self._writeback, *f) for f in flush]
+        for stream, start, end in marks:
+            stream.complete(start, end)
 
     def written(self, names: list[str]) -> None:
-        """Mark outputs complete: their bytes join the shard's running hash, and a shard whose outputs are
-        all complete is handed to the finishing thread (fsync, rename)."""
+        """Outputs are complete (every range :meth:`filled`): a shard whose outputs all are is handed to the
+        finishing thread (fsync, rename), after the writeback started before."""
         self._raise_finish_error()
-        finished, marks, flush = [], [], []
+        finished = []
         with self.lock:
             for name in names:
-                i, start, nbytes = self.where[name]
+                i = self.where[name][0]
                 if i in self.done_shards or name not in self.pending[i]:
                     continue
                 self._open(i)
                 self.pending[i].discard(name)
-                marks.append((self.streams[i], start))
-                if nbytes >= WRITEBACK_MIN and i not in self.direct:  # O_DIRECT leaves nothing to write back
-                    flush.append((i, start, nbytes))
                 if not self.pending[i]:
                     finished.append(i)
-        for stream, start in marks:
-            stream.complete(start)
-        with self.lock:  # the finishing thread starts writeback, and later finishes shards, in this order
-            self.finishing += [self.finisher.submit(self._writeback, *f) for f in flush]
             self.finishing += [self.finisher.submit(self._finish, i) for i in finished]
 
     def _writeback(self, i: int, start: int, nbytes: int) -> None:
         with self.lock:
             fd = self.fds.get(i)
         if fd is not None:
-            start_writeback(fd, start, nbytes)
+            with stage("writeback"):
+                start_writeback(fd, start, nbytes)
 
     def _raise_finish_error(self) -> None:
         for f in self.finishing:
@@ -306,6 +273,14 @@ class ShardWriter:
         # hears of the shard only after the rename (on_finish).
         future = stream.finish(size)
         path = self.tmp_path(i)
+        with stage("fsync"):
+            self._sync_and_rename(i, fd, path, name)
+        self.sizes[name] = size
+        self.hashes[name] = future
+        if self.on_finish is not None:
+            self.on_finish(name, size, future)
+
+    def _sync_and_rename(self, i: int, fd: int, path: Path, name: str) -> None:
         try:
             with self.lock:
                 direct = self.direct.pop(i, None)
@@ -320,10 +295,6 @@ class ShardWriter:
                 del self.fds[i]
         os.rename(path, self.out / name)
         fsync_dir(self.out)
-        self.sizes[name] = size
-        self.hashes[name] = future
-        if self.on_finish is not None:
-            self.on_finish(name, size, future)
 
     def abort(self) -> None:
         """Close and remove unfinished temporary shards (finished ones stay for --resume)."""

@@ -20,6 +20,11 @@ summary (:class:`ValueHistogram`).
 block scales (the -Base checkpoints), E8M0 bytes >= 247 (values past float32), NaN bytes, a
 global scale below 2**-100 (``sb * alpha`` could underflow), more than :data:`MAX_COMBOS` combos,
 K not a multiple of 16, no elements.
+
+The tables path runs on the device its inputs are on (a GPU with ``nvfp4-convert convert --device cuda``) with
+the same bytes as on the CPU: the float recipe runs on the CPU over the few (combo, byte) entries, and what runs
+on the device is integer work only (masks, byte maxima, sums of small integers, gathers, counts), which has one
+exact result whatever the hardware or the order of its additions. The reference runs on the CPU.
 """
 
 from __future__ import annotations
@@ -102,7 +107,7 @@ class _Scan:
     @property
     def amax(self) -> float:
         """The part's amax, as the recipe's float32 block amaxes give it."""
-        return float(_block_amax_values(self.combos).max())
+        return float(_block_amax_values(self.combos.cpu()).max())
 
 
 def _block_amax_values(combos: torch.Tensor) -> torch.Tensor:
@@ -125,10 +130,10 @@ def _scan(weight: torch.Tensor, scale: torch.Tensor) -> _Scan | None:
     nb = cols // BLOCK
     tile = e8m0.to(torch.int32).mul_(128)
     tile = tile.repeat_interleave(FP8_BLOCK, dim=0)[:rows].repeat_interleave(FP8_BLOCK // BLOCK, dim=1)[:, :nb]
-    keys = torch.empty(rows, nb, dtype=torch.int32)
+    keys = torch.empty(rows, nb, dtype=torch.int32, device=w.device)
     per = max(1, TABLE_CHUNK // cols)
-    mag = torch.empty(min(per, rows) * cols, dtype=torch.uint8)
-    block_max = torch.empty(min(per, rows) * nb, dtype=torch.uint8)
+    mag = torch.empty(min(per, rows) * cols, dtype=torch.uint8, device=w.device)
+    block_max = torch.empty(min(per, rows) * nb, dtype=torch.uint8, device=w.device)
     for r in range(0, rows, per):  # one set of chunk buffers, reused: fresh ones would cost page faults
         n = min(per, rows - r)
         m = torch.bitwise_and(w[r:r + n], 0x7F, out=mag[:n * cols].view(n, cols))
@@ -160,18 +165,22 @@ def _tables(combos: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Ten
 
 
 def _encode(scan: _Scan, alpha: float) -> tuple[torch.Tensor, torch.Tensor, ValueHistogram]:
+    """The part's packed codes and scale bytes by gathers from the tables (on the weight's device), and its exact
+    value histogram (on the CPU)."""
     rows, cols = scan.weight.shape
     nb = cols // BLOCK
-    sb, pairs, x, approx = _tables(scan.combos, alpha)
-    combo_of_key = torch.zeros(256 * 128, dtype=torch.int32)
-    combo_of_key[scan.combos] = torch.arange(scan.combos.numel(), dtype=torch.int32)
+    device = scan.weight.device
+    sb, pairs, x, approx = _tables(scan.combos.cpu(), alpha)
+    sb, pairs = sb.to(device), pairs.to(device)
+    combo_of_key = torch.zeros(256 * 128, dtype=torch.int32, device=device)
+    combo_of_key[scan.combos] = torch.arange(scan.combos.numel(), dtype=torch.int32, device=device)
     combo = combo_of_key.index_select(0, scan.keys.reshape(-1)).reshape(rows, nb)
-    packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
-    counts = torch.zeros(scan.combos.numel() * 256, dtype=torch.int64)
+    packed = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
+    counts = torch.zeros(scan.combos.numel() * 256, dtype=torch.int64, device=device)
     elem_dtype = torch.int16 if counts.numel() <= 1 << 15 else torch.int32
     per = max(1, TABLE_CHUNK // cols)
-    pair_idx = torch.empty(min(per, rows) * cols // 2, dtype=torch.int32)
-    elem_idx = torch.empty(min(per, rows) * cols, dtype=elem_dtype)
+    pair_idx = torch.empty(min(per, rows) * cols // 2, dtype=torch.int32, device=device)
+    elem_idx = torch.empty(min(per, rows) * cols, dtype=elem_dtype, device=device)
     for r in range(0, rows, per):
         n = min(per, rows - r)
         c, w = combo[r:r + n], scan.weight[r:r + n]
@@ -182,7 +191,7 @@ def _encode(scan: _Scan, alpha: float) -> tuple[torch.Tensor, torch.Tensor, Valu
                          out=elem_idx[:n * cols].view(n, nb, BLOCK))
         counts += torch.bincount(elem.view(-1), minlength=counts.numel())
     scales = sb.index_select(0, combo.reshape(-1)).reshape(rows, nb)
-    return packed, scales, ValueHistogram(x.reshape(-1), approx.reshape(-1), counts)
+    return packed, scales, ValueHistogram(x.reshape(-1), approx.reshape(-1), counts.cpu())
 
 
 def fp8_to_nvfp4_tables(weights: list[torch.Tensor], scales: list[torch.Tensor], shared_alpha: bool) -> Fp8Cast | None:
@@ -198,5 +207,7 @@ def fp8_to_nvfp4_tables(weights: list[torch.Tensor], scales: list[torch.Tensor],
 
 
 def fp8_to_nvfp4(weights: list[torch.Tensor], scales: list[torch.Tensor], shared_alpha: bool) -> Fp8Cast:
-    """FP8 parts -> NVFP4 parts, bytes exactly the recipe's: by tables where exact, else the reference."""
-    return fp8_to_nvfp4_tables(weights, scales, shared_alpha) or fp8_to_nvfp4_reference(weights, scales, shared_alpha)
+    """FP8 parts -> NVFP4 parts, bytes exactly the recipe's: by tables where exact (on the inputs' device), else
+    the reference (on the CPU, whatever the inputs' device: its float work stays on one kind of hardware)."""
+    return (fp8_to_nvfp4_tables(weights, scales, shared_alpha)
+            or fp8_to_nvfp4_reference([w.cpu() for w in weights], [s.cpu() for s in scales], shared_alpha))

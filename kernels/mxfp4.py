@@ -16,6 +16,10 @@ Policies (documented in docs/format.md):
   and the codes are re-rounded (RNE) to that coarser step. This is lossy; such blocks are
   counted and the counts reported.
 * **all-zero matrix set**: ``alpha = 1`` (``m = 0``).
+
+The cast runs on the device its inputs are on, with the same bytes everywhere: it is integer work (masks,
+maxima, table gathers) apart from the re-rounding of out-of-range blocks, whose float work is exact (codes
+times powers of two built from their bits, then comparisons).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .scales import E8M0_NAN, decode_e8m0, e8m0_exponent, pow2_e4m3
 
 MX_BLOCK = 32
 E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
+REQUANT_SHIFT_MIN = -32
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -111,7 +116,8 @@ def mxfp4_to_nvfp4(packed: list[torch.Tensor], scales: list[torch.Tensor]) -> Ca
     for p, s in zip(packed, scales):
         p, b = p.view(torch.uint8), s.view(torch.uint8)
         # Each E8M0 byte becomes its two 16-block scale bytes by one int16 lookup.
-        sb = pairs.index_select(0, b.reshape(-1).int()).view(torch.uint8).reshape(*b.shape[:-1], 2 * b.shape[-1])
+        sb = pairs.to(b.device).index_select(0, b.reshape(-1).int()).view(torch.uint8)
+        sb = sb.reshape(*b.shape[:-1], 2 * b.shape[-1])
         if b.numel() and int(b.min()) - 127 - m < E4M3_POW2_MIN:  # out-of-range blocks possible: find them
             rel = e8m0_exponent(b) - m
             out_of_range = (rel < E4M3_POW2_MIN) & nonzero_blocks(p)  # zero blocks stay exact
@@ -128,7 +134,9 @@ def requantize_blocks(packed: torch.Tensor, rel: torch.Tensor, mask: torch.Tenso
     """Re-round the codes of masked 32-blocks from step 2**rel to step 2**-9 (relative to alpha)."""
     codes = unpack_nibbles(packed)
     blocks = codes.reshape(*codes.shape[:-1], -1, MX_BLOCK)
-    shift = (rel - E4M3_POW2_MIN).clamp(max=0).unsqueeze(-1).float()
-    requant = encode_e2m1(decode_e2m1(blocks) * torch.exp2(shift))
+    # From a shift of -5 on every code rounds to (signed) zero (6 * 2**-5 < 0.25), so the clamp changes nothing; the
+    # powers of two are built from their bits, so the products are exact on any device.
+    shift = (rel - E4M3_POW2_MIN).clamp(REQUANT_SHIFT_MIN, 0)
+    requant = encode_e2m1(decode_e2m1(blocks) * decode_e8m0((shift + 127).to(torch.uint8)).unsqueeze(-1))
     blocks = torch.where(mask.unsqueeze(-1), requant, blocks)
     return pack_nibbles(blocks.reshape(codes.shape))

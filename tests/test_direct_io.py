@@ -3,7 +3,6 @@ hashing reads it back (blocks still waiting in memory included) to the sha256 of
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import random
@@ -108,31 +107,25 @@ def test_a_failed_background_write_is_raised(tmp_path):
     os.close(fd)
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_a_source_shorter_than_its_copy_is_refused(tmp_path, monkeypatch, direct):
-    """A source file that ends before the bytes a copy asks for (truncated under the converter) is an
-    OutputError naming the shard, on the O_DIRECT path and on the buffered one's read fallback (taken where
-    ``copy_file_range`` is refused), not a loop that never ends."""
-    from nvfp4_megamoe.convert import writer
-    from nvfp4_megamoe.convert.errors import OutputError
+def test_a_source_shorter_than_its_copy_is_refused(tmp_path):
+    """A source file that ends before the bytes a copied tensor's piece asks for (truncated under the converter) is
+    a SourceError naming the file and the tensor, not a loop that never ends."""
+    from nvfp4_megamoe.convert.errors import SourceError
+    from nvfp4_megamoe.convert.safetensors_header import TensorInfo
+    from nvfp4_megamoe.convert.source import FileReader, SourceTensor
+    from nvfp4_megamoe.convert.units import Passthrough
 
-    src = tmp_path / "source"
-    src.write_bytes(b"x" * 1000)
-    src_fd = os.open(src, os.O_RDONLY)
-    path = tmp_path / "shard"
+    (tmp_path / "shard.safetensors").write_bytes(b"x" * 1000)
+
+    class Truncated(FileReader):
+        tensors = {"t": SourceTensor("t", "shard.safetensors", TensorInfo("U8", (2000,), 0, 2000))}
+
+        def file_path(self, file):
+            return tmp_path / file
+
+    reader = Truncated()
     try:
-        if direct:
-            fd, out = _open(tmp_path, 4096)
-            with pytest.raises(OutputError, match="shard.*source ended early"):
-                writer._copy_direct(src_fd, 0, 2000, out, 0, path)
-            out.abandon()
-        else:
-            def refused(*_):
-                raise OSError(errno.EXDEV, "cross-device")
-            monkeypatch.setattr(os, "copy_file_range", refused)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT)
-            with pytest.raises(OutputError, match="shard.*source ended early"):
-                writer._copy_all(src_fd, 0, 2000, fd, 0, path)
-        os.close(fd)
+        with pytest.raises(SourceError, match="shard.safetensors: short read of tensor t .*truncated"):
+            Passthrough("t", "U8", (2000,)).run_piece(reader, None, 0, None)
     finally:
-        os.close(src_fd)
+        reader.close()
