@@ -90,8 +90,9 @@ def test_ctrl_c_says_how_to_resume(tmp_path_factory, tmp_path):
         shutil.rmtree(out, ignore_errors=True)
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         deadline = time.monotonic() + 120
-        while not any(out.glob("model-*.safetensors")) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.002)
+        # the progress journal is made just before the first unit runs: from then on the run is under way
+        while not (out / ".nvfp4_progress.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
         proc.send_signal(signal.SIGINT)  # as Ctrl-C does
         stderr = proc.communicate(timeout=120)[1]
         if proc.returncode != 0:
