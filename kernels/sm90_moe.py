@@ -40,15 +40,18 @@ Planner = Callable[[MoeShape, int, int], MoePlan]
 Gemm = Sm90Nvfp4MmaGemm | Sm90Nvfp4WgmmaGemm
 
 
+def _family(config: GemmConfig) -> type[Gemm]:
+    """The GEMM family of a configuration: its tiling's type picks it."""
+    return Sm90Nvfp4MmaGemm if isinstance(config.tiling, MmaTiling) else Sm90Nvfp4WgmmaGemm
+
+
 def gemm_kernel(config: GemmConfig) -> Gemm:
-    """The kernel object of a GEMM configuration (the tiling's type picks the family)."""
-    family = Sm90Nvfp4MmaGemm if isinstance(config.tiling, MmaTiling) else Sm90Nvfp4WgmmaGemm
-    return family(config.problem, config.tiling)
+    """The kernel object of a GEMM configuration."""
+    return _family(config)(config.problem, config.tiling)
 
 
 def gemm_can_implement(config: GemmConfig) -> bool:
-    family = Sm90Nvfp4MmaGemm if isinstance(config.tiling, MmaTiling) else Sm90Nvfp4WgmmaGemm
-    return family.can_implement(config.problem, config.tiling)
+    return _family(config).can_implement(config.problem, config.tiling)
 
 
 class Sm90Nvfp4Moe:

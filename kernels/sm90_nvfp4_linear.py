@@ -6,9 +6,12 @@ W4A16 like the MoE: ``x`` BF16, the weights decoded in registers, fp32 accumulat
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
+from .sm90_config import GemmConfig
 from .sm90_heuristics import TILE_TOKEN_CHOICES, linear_config
 from .sm90_moe_gemm import Sm90Nvfp4MmaGemm
 from .swizzle import swizzled_nbytes
@@ -22,7 +25,12 @@ def can_implement(n: int, k: int) -> bool:
 
 def linear_op(n: int, k: int, tokens: int, out_bf16: bool = False) -> Sm90Nvfp4MmaGemm:
     """The kernel :func:`sm90_nvfp4_linear` launches for ``tokens`` rows of x [., K] against W [N, K]."""
-    config = linear_config(n, k, tokens, out_bf16)
+    return _kernel(linear_config(n, k, tokens, out_bf16))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(config: GemmConfig) -> Sm90Nvfp4MmaGemm:
+    # one kernel object per configuration: a call (every dense linear of a decode step) does not check it again
     return Sm90Nvfp4MmaGemm(config.problem, config.tiling)
 
 
