@@ -118,7 +118,9 @@ def jobs(every: bool) -> list[tuple]:
                 widest[group] = (op, tensors)
         chosen = list(widest.values())
     del cute_host
-    return chosen
+    # every worker slices this list: one order in every process (the warm-ups' own order follows set iteration,
+    # which string hashing makes differ from process to process)
+    return sorted(chosen, key=lambda job: (type(job[0]).__name__, repr(job[0].key())))
 
 
 def control() -> tuple:
@@ -139,9 +141,14 @@ def _row(op, tensors) -> dict:
             "min_ctas": getattr(op, "min_ctas", None), **cubin_resources(fn.artifacts.CUBIN)}
 
 
-def _work(share: tuple[int, int, bool]) -> list[dict]:
-    """Compile every ``step``-th kernel of :func:`jobs` from ``first`` (a worker process); ``first`` -1: the control."""
-    first, step, every = share
+def _work(share: tuple[int, int, bool, str]) -> list[dict]:
+    """Compile every ``step``-th kernel of :func:`jobs` from ``first`` (a worker process); ``first`` -1: the control.
+    Cubins go under the dump folder ``share[3]``."""
+    first, step, every, dump = share
+    # CuTeDSL names a kernel's dump file after the op's class and reads the cubin back from that file: a folder of
+    # this process's own, set before CuTeDSL is imported here, so that no other worker overwrites it in between
+    os.environ["CUTE_DSL_DUMP_DIR"] = own = os.path.join(dump, f"worker-{os.getpid()}")
+    os.makedirs(own, exist_ok=True)
     if first < 0:
         return [_row(*control())]
     return [_row(op, tensors) for op, tensors in jobs(every)[first::step]]
@@ -154,14 +161,14 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="compiling processes")
     args = ap.parse_args()
     os.makedirs(args.dump, exist_ok=True)  # CuTeDSL writes no artifact into a missing folder
-    os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=args.dump,
-                      NVFP4_MEGAMOE_KERNEL_CACHE="0")
+    os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", NVFP4_MEGAMOE_KERNEL_CACHE="0")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sm90_stand_ins, in the workers too
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
                                                             os.environ.get("PYTHONPATH")]))
     n = max(1, args.jobs)
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
-        *parts, control_rows = pool.map(_work, [(w, n, args.all) for w in range(n)] + [(-1, n, args.all)])
+        shares = [(w, n, args.all, args.dump) for w in range(n)] + [(-1, n, args.all, args.dump)]
+        *parts, control_rows = pool.map(_work, shares)
     print(json.dumps({"kernels": [row for part in parts for row in part], "control": control_rows[0]}))
 
 
