@@ -19,8 +19,9 @@ it); ``0``, ``off``, ``false``, ``none`` or an empty value turn the disk cache o
 the in-process key, the target, the CuTeDSL version and the source of every
 module in ``kernels/``, so an edited kernel or another toolchain never loads a stale binary; a file
 that fails to load is compiled again, and a folder that cannot be written warns once and leaves the
-kernels in-process. ``tests/test_moe_sm90_gpu.py`` checks that loaded kernels compute what compiled
-ones do (passed on an H200).
+kernels in-process. :func:`compile_all` compiles in worker processes, which describe CUDA operands with
+CuTe's fake tensors (no CUDA context in a worker) and store what they compile.
+``tests/test_moe_sm90_gpu.py`` checks that loaded kernels compute what compiled ones do (passed on an H200).
 """
 
 from __future__ import annotations
@@ -178,21 +179,40 @@ def collecting() -> Iterator[list[tuple[object, list[torch.Tensor]]]]:
 
 
 def _operand_spec(t: torch.Tensor) -> tuple:
-    """What a worker needs to make a tensor with the same compile key (``compile_key``)."""
+    """What a worker needs to make an operand with the same compile key (``compile_key``)."""
     return tuple(t.shape), t.dtype, t.device.type, _alignment(t) == 16
 
 
-def _operand(spec: tuple) -> torch.Tensor:
+def _operand(spec: tuple):
+    """A worker's stand-in for an operand. CPU: a tensor (as the CI's compiles take). CUDA: CuTe's fake tensor in
+    global memory, of the dtype, rank and alignment that the spec gives, dynamic shapes and strides with the
+    innermost stride 1, as :func:`to_cute` describes a CUDA tensor: the same machine code, and the compiled
+    function checks for CUDA operands, without a CUDA context in the worker (each one would take GPU memory and
+    time at every cold start)."""
     shape, dtype, device, aligned = spec
-    n = math.prod(shape)
-    flat = torch.empty(n + (0 if aligned else 1), dtype=dtype, device=device)
-    return (flat if aligned else flat[1:]).view(shape)  # one element off an aligned start: not 16-byte aligned
+    if device != "cuda":
+        n = math.prod(shape)
+        flat = torch.empty(n + (0 if aligned else 1), dtype=dtype, device=device)
+        return to_cute((flat if aligned else flat[1:]).view(shape))  # one element off: not 16-byte aligned
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import from_dlpack, make_fake_tensor
+
+    element = from_dlpack(torch.empty(1, dtype=dtype)).element_type  # CuTe's type for the dtype, as to_cute maps it
+    rank = len(shape)
+    return make_fake_tensor(element, tuple(cute.sym_int() for _ in range(rank)),
+                            tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,),
+                            assumed_align=16 if aligned else dtype.itemsize)
 
 
-def _compile_share(jobs: list[tuple[object, list[tuple]]]) -> int:
-    """A worker process: compile (and so store in the disk cache) each (op, operand specs) job."""
-    for op, specs in jobs:
-        compile_op(op, [_operand(spec) for spec in specs])
+def _compile_share(jobs: list[tuple[object, list[tuple], tuple[Path, str]]]) -> int:
+    """A worker process: compile each (op, operand specs) job and store it in the disk cache where the parent
+    process said (its file name is the parent's key: the worker's stand-ins are not tensors of the parent's)."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    for op, specs, where in jobs:
+        fn = cute.compile(op, *[_operand(spec) for spec in specs], make_fake_stream(), options="--enable-tvm-ffi")
+        _store_cached(where, fn)
     return len(jobs)
 
 
@@ -206,22 +226,23 @@ def compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | 
         where = _cache_file(key)
         cached = key in _COMPILED or (where is not None and where[0].is_file())
         if not cached:
-            todo.setdefault(key, (op, tensors))
-    workers = min(len(todo), processes or os.cpu_count() or 1)
+            todo.setdefault(key, (op, tensors, where))
+    stored = [job for job in todo.values() if job[2] is not None]  # a worker's kernel reaches this process on disk
+    workers = min(len(stored), processes or os.cpu_count() or 1)
     if workers > 1 and cache_folder() is not None:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         # the longest compiles first, one job a task, so that no worker is left with a long one at the end
-        order = sorted(todo.values(), key=lambda job: getattr(job[0], "compile_cost", 1), reverse=True)
-        specs = [[(op, [_operand_spec(t) for t in tensors])] for op, tensors in order]
+        order = sorted(stored, key=lambda job: getattr(job[0], "compile_cost", 1), reverse=True)
+        specs = [[(op, [_operand_spec(t) for t in tensors], where)] for op, tensors, where in order]
         # spawned (not forked) workers: this process may hold a CUDA context
         try:
             with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
                 list(pool.map(_compile_share, specs))
         except Exception as exc:  # noqa: BLE001 - a worker that failed leaves its kernels to be compiled here
             warnings.warn(f"parallel kernel compilation failed ({exc}); compiling in this process", stacklevel=2)
-    for op, tensors in todo.values():
+    for op, tensors, _ in todo.values():
         compile_op(op, tensors)  # from the disk cache where a worker stored it
     return len(todo)
 

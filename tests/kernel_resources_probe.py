@@ -27,32 +27,38 @@ MODELS = ((4096, 2048, 256), (7168, 3072, 384))   # V4-Flash, V4-Pro: H, I, E (t
 MAX_TOKENS = 8192
 
 
+def elf_sections(elf: bytes) -> dict[str, bytes]:
+    """The named sections of a 64-bit little-endian ELF file (a cubin, an object file): name -> bytes."""
+    if elf[:4] != b"\x7fELF":
+        raise ValueError("not an ELF file")
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    names_at = sections[shstrndx][4]
+    found = {}
+    for name, kind, _flags, _addr, offset, size in sections:
+        start = names_at + name
+        found[elf[start:elf.index(b"\0", start)].decode()] = b"" if kind == 8 else elf[offset:offset + size]  # NOBITS
+    return found
+
+
 def cubin_resources(cubin: bytes) -> dict[str, int]:
     """``{"registers": .., "frame_bytes": ..}`` of a cubin's kernels (the largest over its symbols), from the
     ELF section ``.nv.info`` (the per-symbol attributes ``ptxas -v`` prints as registers and stack frame)."""
-    if cubin[:4] != b"\x7fELF":
-        raise ValueError("not an ELF cubin")
-    shoff, = struct.unpack_from("<Q", cubin, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    names_at = sections[shstrndx][4]
+    info = elf_sections(cubin)[".nv.info"]
     found = {EIATTR_FRAME_SIZE: 0, EIATTR_REGCOUNT: 0}
-    for name, _type, _flags, _addr, offset, size in sections:
-        start = names_at + name
-        if cubin[start:cubin.index(b"\0", start)] != b".nv.info":
-            continue
-        p = offset
-        while p < offset + size:
-            fmt, attr = cubin[p], cubin[p + 1]
+    p = 0
+    while p < len(info):
+        fmt, attr = info[p], info[p + 1]
+        p += 2
+        if fmt == EIFMT_SVAL:
+            n, = struct.unpack_from("<H", info, p)
+            if attr in found:
+                _symbol, value = struct.unpack_from("<II", info, p + 2)
+                found[attr] = max(found[attr], value)
+            p += 2 + n
+        elif fmt == EIFMT_HVAL:
             p += 2
-            if fmt == EIFMT_SVAL:
-                n, = struct.unpack_from("<H", cubin, p)
-                if attr in found:
-                    _symbol, value = struct.unpack_from("<II", cubin, p + 2)
-                    found[attr] = max(found[attr], value)
-                p += 2 + n
-            elif fmt == EIFMT_HVAL:
-                p += 2
     return {"registers": found[EIATTR_REGCOUNT], "frame_bytes": found[EIATTR_FRAME_SIZE]}
 
 
@@ -134,9 +140,15 @@ def control() -> tuple:
 
 
 def _row(op, tensors) -> dict:
+    """Compile ``op`` for CUDA operands (the stand-ins a compiling worker of the runtime uses: operands in global
+    memory, as on the GPU; CPU tensors would be generic-address operands, other code) and read its cubin."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
     from nvfp4_megamoe.kernels import cute_host
 
-    fn = cute_host.compile_op(op, tensors)
+    specs = [(shape, dtype, "cuda", aligned) for shape, dtype, _, aligned in map(cute_host._operand_spec, tensors)]
+    fn = cute.compile(op, *map(cute_host._operand, specs), make_fake_stream(), options="--enable-tvm-ffi")
     return {"kernel": type(op).__name__, "key": repr(op.key()), "threads": getattr(op, "threads", 0),
             "min_ctas": getattr(op, "min_ctas", None), **cubin_resources(fn.artifacts.CUBIN)}
 

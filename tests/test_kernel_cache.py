@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import warnings
 
@@ -76,6 +77,66 @@ def test_compile_all_compiles_in_worker_processes_and_loads_here(cache, monkeypa
     assert len(list(cache.glob("*.o"))) == 2
     assert all(cute_host.compile_key(op, args) in cute_host._COMPILED for op, args in jobs)
     assert cute_host.compile_all(jobs, processes=2) == 0
+
+
+def test_a_worker_compiles_for_cuda_operands_without_cuda(cache):
+    """A compiling worker describes CUDA operands as CuTe fake tensors in global memory (no CUDA context): the
+    stored kernel is the one for CUDA tensors (its machine code equals that compiled from CUDA tensors, see
+    docs/design/runtime.md), so it refuses the CPU tensors that a CPU compile of the same op takes."""
+    op, args = Sm90MoeRouting(experts=64, top_k=4, tile_tokens=8), _routing_args(12)
+    specs = [cute_host._operand_spec(a) for a in args]
+    on_cuda = [(shape, dtype, "cuda", aligned) for shape, dtype, _, aligned in specs]
+    where = (cache / "k.o", "kcuda")
+    assert cute_host._compile_share([(op, on_cuda, where)]) == 1
+    with pytest.raises(ValueError, match="expected device_type=cuda"):
+        cute_host._load_cached(where)(*args, 0)
+    on_cpu = (cache / "c.o", "kcpu")
+    cute_host._compile_share([(op, specs, on_cpu)])
+    with pytest.raises(RuntimeError, match="(?i)cuda runtime"):  # past the operand checks, to the launch
+        cute_host._load_cached(on_cpu)(*args, 0)
+    assert not torch.cuda.is_initialized()
+
+
+class _ClaimsCuda:
+    """A CPU tensor that exports itself through DLPack as a CUDA tensor: what CuTeDSL sees of a real one when it
+    compiles (it reads no memory), on a machine without a GPU."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def __dlpack_device__(self):
+        return 2, 0  # kDLCUDA, device 0
+
+    def __dlpack__(self, stream=None, **_kw):
+        capsule = torch.utils.dlpack.to_dlpack(self.t)
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        # DLTensor: void *data, then DLDevice {int32 device_type, int32 device_id}
+        ctypes.c_int32.from_address(get(capsule, b"dltensor") + ctypes.sizeof(ctypes.c_void_p)).value = 2
+        return capsule
+
+
+def test_a_workers_stand_ins_compile_to_the_code_of_cuda_tensors(tmp_path):
+    """The fake tensors a worker compiles from give the object file that CUDA tensors give (kernel and host code;
+    only the symbol names, which spell the argument types, differ)."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import from_dlpack, make_fake_stream
+
+    from kernel_resources_probe import elf_sections
+
+    op, args = Sm90MoeRouting(experts=64, top_k=4, tile_tokens=8), _routing_args(12)
+    args[1] = torch.zeros(13)[1:]  # one operand not 16-byte aligned
+    cuda = [from_dlpack(_ClaimsCuda(a), assumed_align=cute_host._alignment(a), enable_tvm_ffi=True)
+            .mark_layout_dynamic(leading_dim=a.dim() - 1) for a in args]
+    fakes = [cute_host._operand((shape, dtype, "cuda", aligned))
+             for shape, dtype, _, aligned in map(cute_host._operand_spec, args)]
+    objects = []
+    for operands in (cuda, fakes):
+        fn = cute.compile(op, *operands, make_fake_stream(), options="--enable-tvm-ffi")
+        fn.export_to_c(str(tmp_path / "k.o"), "k")
+        objects.append({name: data for name, data in elf_sections((tmp_path / "k.o").read_bytes()).items()
+                        if name not in (".symtab", ".strtab")})
+    assert objects[0] == objects[1] and any(len(data) > 1000 for data in objects[0].values())
 
 
 def test_other_configurations_get_other_files(cache):
