@@ -7,7 +7,9 @@ angle (used on the attention output, since K = V carries the key's rotation).
 Sink attention is MQA with one shared K = V vector per position: ``q`` [B, T, H, D] against
 ``kv`` [B, S, D], logits scaled by ``scale``, plus an additive ``bias`` [B, T, S] (0 or -inf) that
 encodes which keys each query sees (window, causality, indexer selection). A per-head sink logit
-joins the softmax denominator only; all in float32.
+joins the softmax denominator only; all in float32. ``picked`` [B, T, K, D] adds keys of each query's own (the
+CSA entries its indexer chose; ``picked_valid`` [B, T, K] False for padding): they join the same softmax, so a
+query reads K of them instead of a mask row over every entry.
 """
 
 from __future__ import annotations
@@ -35,8 +37,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """q [B, T, H, D], kv [B, S, D], bias [B, T, S], sink [H] -> out [B, T, H, D] (float32)."""
+    return sink_attention_picked(q, kv, bias, None, None, sink, scale)
+
+
+def sink_attention_picked(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, picked: torch.Tensor | None,
+                          picked_valid: torch.Tensor | None, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`sink_attention` plus each query's own keys ``picked`` [B, T, K, D] (``picked_valid`` [B, T, K]);
+    None: none. -> out [B, T, H, D] (float32)."""
     logits = torch.einsum("bthd,bsd->bths", q.float(), kv.float()) * scale + bias.float().unsqueeze(2)
-    sinks = sink.float().view(1, 1, -1, 1).expand(*logits.shape[:3], 1)
-    full = torch.cat((logits, sinks), dim=-1)
-    probs = torch.softmax(full - full.amax(-1, keepdim=True), dim=-1)[..., :-1]
-    return torch.einsum("bths,bsd->bthd", probs, kv.float())
+    parts = [logits]
+    if picked is not None:
+        own = torch.einsum("bthd,btkd->bthk", q.float(), picked.float()) * scale
+        parts.append(own.masked_fill(~picked_valid.unsqueeze(2), float("-inf")))
+    parts.append(sink.float().view(1, 1, -1, 1).expand(*logits.shape[:3], 1))
+    full = torch.cat(parts, dim=-1)
+    probs = torch.softmax(full - full.amax(-1, keepdim=True), dim=-1)
+    s = kv.shape[1]
+    out = torch.einsum("bths,bsd->bthd", probs[..., :s], kv.float())
+    if picked is not None:
+        out = out + torch.einsum("bthk,btkd->bthd", probs[..., s:-1], picked.float())
+    return out

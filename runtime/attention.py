@@ -2,8 +2,9 @@
 sees, and the state writes that go with it. Two forms, one semantics (docs/deepseek_v4.md, "The forward pass"):
 
 * :class:`ChunkAttention`: ``T`` tokens of chosen slots that share one position, known on the host (prefill,
-  chunked prefill, refilling a slot): dense masked logits over (ring + chunk + compressed entries) through
-  ``sink_attention``.
+  chunked prefill, refilling a slot): masked logits over (ring + chunk, and HCA's entries) through
+  ``sink_attention``, CSA's per-query top-k entries gathered beside them (``sink_attention_picked``), in blocks
+  of queries.
 * :class:`StepAttention`: one token of every slot, each at its own position (``positions`` on the device): the
   ring write, the compressors' masked emission of the entry a slot's window closes, the indexer's top-k with
   per-slot ``n_valid``, and ``decode_attention`` over the operands the GPU kernel takes. Fixed shapes, no host
@@ -23,6 +24,11 @@ from .state import CompressorState, LayerState
 from .weights import AttentionWeights, CompressorWeights
 
 _NEG_INF = float("-inf")
+# A chunk's attention runs QUERY_BLOCK queries at a time, and the CSA indexer scores INDEX_KEY_BLOCK keys at a time:
+# the largest temporaries are [QUERY_BLOCK, heads, window + chunk + (top-k or HCA entries)] logits and
+# [QUERY_BLOCK, index heads, INDEX_KEY_BLOCK] indexer scores, whatever the context (docs/runtime.md).
+QUERY_BLOCK = 256
+INDEX_KEY_BLOCK = 4096
 
 
 def _entries_rope(be, ratio: int, windows: torch.Tensor, freq: torch.Tensor):
@@ -47,26 +53,41 @@ class ChunkAttention:
         keys = torch.cat((st.window[rows[:, None], (past_pos % window)[None]].to(kv.dtype), kv), dim=1)
         dist = positions[:, None] - torch.cat((past_pos, positions))[None, :]
         bias = torch.zeros(dist.shape, device=h.device).masked_fill((dist < 0) | (dist >= window), _NEG_INF)
-        bias = bias.expand(n, -1, -1)
         keep = min(t, window)
         st.window[rows[:, None], (positions[-keep:] % window)[None]] = kv[:, -keep:].to(st.window.dtype)
 
-        ratio = a.compress_ratio
+        ratio, index = a.compress_ratio, None
         if ratio:
-            entries = self._compress(a.compressor, h, st.compressor, freq)
-            visible = torch.arange(entries.shape[1], device=h.device)[None, :] < ((positions + 1) // ratio)[:, None]
-            visible = visible.expand(n, -1, -1)
-            if a.indexer is not None:  # CSA: the lightning indexer picks top-k visible entries
+            entries = self._compress(a.compressor, h, st.compressor, freq).to(keys.dtype)
+            n_visible = (positions + 1) // ratio    # entries query t may see
+            if a.indexer is not None:  # CSA: the lightning indexer picks each query's top-k visible entries
                 ix = a.indexer
                 index_keys = self._compress(ix.compressor, h, st.indexer, freq)
                 iq = be.linear(qr, ix.wq_b).view(n, t, cfg.index_n_heads, cfg.index_head_dim)
                 iq = be.apply_rope(iq, cos[:, :, None], sin[:, :, None])
-                scores = be.indexer_scores(iq, index_keys.to(iq.dtype), be.linear(h, ix.weights_proj))
-                visible = be.select_topk(scores, visible, cfg.index_topk)
-            keys = torch.cat((keys, entries.to(keys.dtype)), dim=1)
-            entry_bias = torch.zeros(visible.shape, device=h.device).masked_fill(~visible, _NEG_INF)
-            bias = torch.cat((bias, entry_bias), dim=-1)
-        return be.sink_attention(q, keys, bias, a.sink, cfg.head_dim ** -0.5)   # [n, T, H, D]
+                if entries.shape[1]:  # else no entry is stored yet: the window alone
+                    index = iq, index_keys.to(iq.dtype), be.linear(h, ix.weights_proj)
+            else:  # HCA: every visible entry, as more masked keys
+                visible = torch.arange(entries.shape[1], device=h.device)[None, :] < n_visible[:, None]
+                keys = torch.cat((keys, entries), dim=1)
+                bias = torch.cat((bias, torch.zeros(visible.shape, device=h.device).masked_fill(~visible, _NEG_INF)),
+                                 dim=-1)
+        # queries QUERY_BLOCK at a time: a chunk's temporaries grow with the block, not with the chunk times the
+        # context (CSA reads each query's top-k entries, gathered, never a [T, entries] mask)
+        out = torch.empty(n, t, cfg.num_heads, cfg.head_dim, device=h.device)
+        scale = cfg.head_dim ** -0.5
+        for q0 in range(0, t, QUERY_BLOCK):
+            r = slice(q0, q0 + QUERY_BLOCK)
+            block_bias = bias[r].expand(n, -1, -1)
+            if index is None:
+                out[:, r] = be.sink_attention(q[:, r], keys, block_bias, a.sink, scale)
+                continue
+            iq, index_keys, index_weights = index
+            picked = be.chunk_topk(iq[:, r], index_keys, index_weights[:, r], n_visible[r], cfg.index_topk,
+                                   INDEX_KEY_BLOCK)                                     # [n, b, k], -1 padding
+            gathered = entries[torch.arange(n, device=h.device)[:, None, None], picked.clamp(min=0)]
+            out[:, r] = be.sink_attention_picked(q[:, r], keys, block_bias, gathered, picked >= 0, a.sink, scale)
+        return out   # [n, T, H, D]
 
     def _compress(self, cw: CompressorWeights, h, cs: CompressorState, freq) -> torch.Tensor:
         """Feed the chunk to a compressor: store the entries of the windows it closes, keep the open window's

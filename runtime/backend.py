@@ -97,9 +97,9 @@ class ReferenceBackend:
     rope_tables = staticmethod(attention_reference.rope_tables)
     apply_rope = staticmethod(attention_reference.apply_rope)
     sink_attention = staticmethod(attention_reference.sink_attention)
+    sink_attention_picked = staticmethod(attention_reference.sink_attention_picked)
     compress_windows = staticmethod(compressor_reference.compress_windows)
-    indexer_scores = staticmethod(indexer_reference.indexer_scores)
-    select_topk = staticmethod(indexer_reference.select_topk)
+    chunk_topk = staticmethod(indexer_reference.topk_in_blocks)
 
     # -- decode (one token per sequence): the operands the GPU decode kernels take ----------------
     def indexer_topk(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,

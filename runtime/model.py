@@ -4,7 +4,7 @@ The decode state (``runtime/state.py``) has one slot per sequence, each at its o
 share every block but the attention core (``runtime/attention.py``):
 
 * a **chunk**: ``T`` tokens of slots that share one position (``model(ids, state)``, :meth:`Model.prefill`),
-  dense masked attention;
+  masked attention in blocks of queries, CSA's top-k entries gathered per query (``runtime/attention.py``);
 * a **step**: one token of every slot, each at its own position (:meth:`Model.step`), with fixed shapes and
   no host read of a device value, so that one CUDA graph per state replays it (``runtime/decode_graphs.py``).
 
@@ -37,6 +37,8 @@ from .weights import LayerWeights, ModelWeights, WeightLoader
 
 #: max_context of :meth:`Model.new_state` when none is given
 DEFAULT_MAX_CONTEXT = 4096
+# Tokens of a prompt that Model.prefill feeds at once by default (the GPU MoE kernels' largest call too).
+PREFILL_CHUNK = 4096
 
 
 def check_token_ids(ids: torch.Tensor, vocab: int) -> None:
@@ -205,8 +207,8 @@ class Model:
 
         ``prompts``: a sequence of 1-D int tensors (or a [n, T] tensor); ``slots``: n distinct slot numbers.
         ``fresh``: each slot starts a new sequence (``state.reset(slot)`` first); False continues it.
-        ``chunk``: feed each prompt ``chunk`` tokens at a time (same logits; the reference prefill's memory
-        grows with the chunk length squared). Returns float32 [n, V]: the logits after each prompt's last
+        ``chunk``: feed each prompt ``chunk`` tokens at a time (same logits; default ``PREFILL_CHUNK``): what a
+        call holds at once grows with the chunk, not with the prompt (docs/runtime.md). Returns float32 [n, V]: the logits after each prompt's last
         token (what picks its first generated token).
         """
         slots = [int(s) for s in slots]
@@ -221,7 +223,7 @@ class Model:
             state.room([] if fresh else [s], p.numel())
             if fresh and p.numel() > state.max_context:
                 raise ValueError(f"a prompt of {p.numel()} tokens does not fit max_context={state.max_context}")
-        size = chunk if chunk is not None else max(p.numel() for p in prompts)
+        size = chunk if chunk is not None else PREFILL_CHUNK
         if not (isinstance(size, int) and size >= 1):
             raise ValueError(f"chunk must be a positive int, got {chunk!r}")
         last = []
@@ -236,7 +238,8 @@ class Model:
     # -- the two paths: a chunk of rows at one position, a step of every slot at its own ----------------
     def _chunk(self, input_ids: torch.Tensor, state: DecodeState, rows: list[int], last_only: bool = False):
         """``input_ids`` [n, T] continuing slots ``rows`` of ``state``, which share one position (host-known):
-        dense masked attention over (ring + chunk + entries). Logits [n, T, V] ([n, 1, V]: ``last_only``)."""
+        masked attention over (ring + chunk + entries, CSA's gathered per query). Logits [n, T, V] ([n, 1, V]:
+        ``last_only``)."""
         cfg, w = self.config, self.weights
         n, t = input_ids.shape
         pos0 = state.host_positions[rows[0]]

@@ -16,7 +16,8 @@ import torch
 
 from nvfp4_megamoe.runtime import FormatError, ReferenceBackend, load_model
 from nvfp4_megamoe.runtime import checkpoint as checkpoint_module
-from nvfp4_megamoe.kernels.indexer_reference import select_topk
+from nvfp4_megamoe.kernels.attention_reference import sink_attention, sink_attention_picked
+from nvfp4_megamoe.kernels.indexer_reference import indexer_scores, select_topk, topk_in_blocks
 from nvfp4_megamoe.kernels.row_tiles import untile_rows
 from nvfp4_megamoe.kernels.router_reference import route_hash
 
@@ -330,6 +331,65 @@ def test_indexer_topk_ties_keep_the_older_entry():
     picked = select_topk(scores, visible, 3)
     assert picked.tolist() == [[[True, True, False, True, False, False]]]
     assert select_topk(scores, visible, 10).tolist() == visible.tolist()  # never an invisible entry
+
+
+@pytest.mark.parametrize("block", [1, 5, 64])
+def test_indexer_topk_in_blocks_picks_what_select_topk_picks(block):
+    """Scores rounded to a few values (many exact ties), each query seeing its own prefix of the entries, some
+    fewer than k: the running top-k over key blocks picks select_topk's entries, best first, -1 padding."""
+    gen = torch.Generator().manual_seed(1)
+    b, t, h, d, n, k = 2, 9, 3, 8, 40, 6
+    q, keys = torch.randn(b, t, h, d, generator=gen), torch.randn(b, n, d, generator=gen)
+    w = torch.randn(b, t, h, generator=gen)
+    q, keys = q.round(), keys.round()  # integer dot products: ties
+    n_visible = torch.tensor([0, 1, 3, 6, 7, 20, 33, 39, 40])
+    picked = topk_in_blocks(q, keys, w, n_visible, k, block)
+    scores = indexer_scores(q, keys, w)
+    visible = torch.arange(n)[None, None] < n_visible[None, :, None]
+    want = select_topk(scores, visible.expand(b, -1, -1), k)
+    got = torch.zeros(b, t, n + 1, dtype=torch.bool).scatter_(-1, picked.where(picked >= 0, n), True)[..., :n]
+    assert torch.equal(got, want)
+    assert torch.equal((picked >= 0).sum(-1), want.sum(-1))   # no entry twice
+    best = scores.gather(-1, picked.clamp(min=0)).masked_fill(picked < 0, float("-inf"))
+    assert torch.equal(best, best.sort(-1, descending=True).values)
+
+
+def test_attention_over_picked_keys_equals_the_masked_dense_form():
+    gen = torch.Generator().manual_seed(2)
+    b, t, hq, d, s, n, k = 2, 5, 4, 16, 7, 30, 6
+    q, kv, entries = (torch.randn(b, t, hq, d, generator=gen), torch.randn(b, s, d, generator=gen),
+                      torch.randn(b, n, d, generator=gen))
+    bias = torch.zeros(b, t, s).masked_fill(torch.rand(b, t, s, generator=gen) < 0.3, float("-inf"))
+    picked = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(b * t)]).view(b, t, k)
+    picked[0, 1, 3:] = -1
+    sink = torch.randn(hq, generator=gen)
+    gathered = entries[torch.arange(b)[:, None, None], picked.clamp(min=0)]
+    got = sink_attention_picked(q, kv, bias, gathered, picked >= 0, sink, 0.25)
+    chosen = torch.zeros(b, t, n + 1, dtype=torch.bool).scatter_(-1, picked.where(picked >= 0, n), True)[..., :n]
+    entry_bias = torch.zeros(b, t, n).masked_fill(~chosen, float("-inf"))
+    want = sink_attention(q, torch.cat((kv, entries), 1), torch.cat((bias, entry_bias), -1), sink, 0.25)
+    assert rel_err(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("variant", ["flash", "pro"])
+def test_a_prompt_in_query_and_key_blocks_gives_the_same_logits(checkpoints, variant, monkeypatch):
+    """The chunk path's blocks (queries, indexer keys) change how much it holds at once, not what it computes:
+    tiny blocks (several query blocks per chunk, several key blocks per indexer call) give the default's logits;
+    the attention ops then see inputs bounded by the blocks."""
+    from nvfp4_megamoe.runtime import attention
+
+    _, out = checkpoints("tiny", variant)
+    model = load_model(out)
+    ids = ids_for(model, 4, batch=2)
+    want = model(ids)
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 16)
+    monkeypatch.setattr(attention, "INDEX_KEY_BLOCK", 8)
+    widest = []
+    inner = model.backend.sink_attention_picked
+    monkeypatch.setattr(model.backend, "sink_attention_picked",
+                        lambda q, *rest: widest.append(q.shape[1]) or inner(q, *rest))
+    assert rel_err(model(ids), want) < 1e-6
+    assert widest and max(widest) == 16
 
 
 def test_repeated_hash_expert_counts_once():
