@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from nvfp4_megamoe.input_files import file_kind, folder_problem, read_json_object
+from nvfp4_megamoe.input_files import folder_problem, read_json_object
 from nvfp4_megamoe.kernels.row_tiles import untile_rows
 from nvfp4_megamoe.kernels.scales import E4M3_NAN_BYTES
 from nvfp4_megamoe.kernels.swizzle import swizzle_padding

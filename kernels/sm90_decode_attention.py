@@ -56,7 +56,7 @@ import cutlass.cute.nvgpu.warpgroup as warpgroup
 from cutlass import Float32, Int32, Int64, const_expr
 
 from . import sm90_ptx as ptx
-from .sm90_ptx import LOG2E, SMEM_LIMIT
+from .sm90_ptx import LOG2E
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA
 from .sm90_heuristics import pick_cluster, pick_splits

@@ -83,8 +83,6 @@ def _tile_rank(op) -> tuple[int, int]:
 
 def jobs(every: bool) -> list[tuple]:
     """(op, operands) of every kernel to compile, in a fixed order (each worker rebuilds the same list)."""
-    import torch
-
     from nvfp4_megamoe.kernels import cute_host, sm90_indexer, sm90_moe
     from nvfp4_megamoe.kernels.sm90_config import MoeShape
     from nvfp4_megamoe.kernels.sm90_decode_attention import (CLUSTERS, Sm90DecodeAttention,

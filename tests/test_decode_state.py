@@ -6,7 +6,6 @@ device value on the host (what a CUDA graph of the step needs; the GPU side is `
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch

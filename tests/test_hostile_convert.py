@@ -398,7 +398,7 @@ def test_names_from_the_checkpoint_are_printed_escaped(src, tmp_path_factory, tm
 @pytest.mark.parametrize("inside", ["converted", "."])
 def test_converting_into_the_source_folder_or_below_is_refused(src, inside):
     before = tree_hash(src)
-    msg = refused(cli("convert", src, src / inside, "--no-progress"), "source folder", "never modified")
+    refused(cli("convert", src, src / inside, "--no-progress"), "source folder", "never modified")
     assert tree_hash(src) == before and not (src / "converted").exists()
 
 
