@@ -141,6 +141,17 @@ def compile_key(op, tensors: list[torch.Tensor]) -> tuple:
     return type(op).__name__, op.key(), tuple((t.dtype, t.dim(), _alignment(t), t.device.type) for t in tensors)
 
 
+def compile_described(op, operands: list) -> Callable:
+    """``cute.compile`` of ``op`` for operands already described to CuTe (:func:`to_cute` tensors or fake ones),
+    with TVM-FFI; no cache."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    # the stream is an argument, not TVM-FFI's environment stream: that one needs GPU tensors at compile time, and
+    # the CI compiles with CPU tensors
+    return cute.compile(op, *operands, make_fake_stream(), options="--enable-tvm-ffi")
+
+
 def compile_op(op, tensors: list[torch.Tensor]) -> Callable | None:
     """Compile ``op`` for these tensors' dtypes, ranks and alignments (shapes stay dynamic), cached
     in-process and on disk. The result is called as ``fn(*tensors, stream_handle)``. Inside :func:`collecting`
@@ -154,12 +165,7 @@ def compile_op(op, tensors: list[torch.Tensor]) -> Callable | None:
         where = _cache_file(key)
         fn = _load_cached(where) if where else None
         if fn is None:
-            import cutlass.cute as cute
-            from cutlass.cute.runtime import make_fake_stream
-
-            # the stream is an argument, not TVM-FFI's environment stream: that one needs GPU tensors at
-            # compile time, and the CI compiles with CPU tensors
-            fn = cute.compile(op, *[to_cute(t) for t in tensors], make_fake_stream(), options="--enable-tvm-ffi")
+            fn = compile_described(op, [to_cute(t) for t in tensors])
             if where:
                 _store_cached(where, fn)
         _COMPILED[key] = fn
@@ -207,12 +213,8 @@ def _operand(spec: tuple):
 def _compile_share(jobs: list[tuple[object, list[tuple], tuple[Path, str]]]) -> int:
     """A worker process: compile each (op, operand specs) job and store it in the disk cache where the parent
     process said (its file name is the parent's key: the worker's stand-ins are not tensors of the parent's)."""
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
-
     for op, specs, where in jobs:
-        fn = cute.compile(op, *[_operand(spec) for spec in specs], make_fake_stream(), options="--enable-tvm-ffi")
-        _store_cached(where, fn)
+        _store_cached(where, compile_described(op, [_operand(spec) for spec in specs]))
     return len(jobs)
 
 

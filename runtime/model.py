@@ -208,8 +208,8 @@ class Model:
         ``prompts``: a sequence of 1-D int tensors (or a [n, T] tensor); ``slots``: n distinct slot numbers.
         ``fresh``: each slot starts a new sequence (``state.reset(slot)`` first); False continues it.
         ``chunk``: feed each prompt ``chunk`` tokens at a time (same logits; default ``PREFILL_CHUNK``): what a
-        call holds at once grows with the chunk, not with the prompt (docs/runtime.md). Returns float32 [n, V]: the logits after each prompt's last
-        token (what picks its first generated token).
+        call holds at once grows with the chunk, not with the prompt (docs/runtime.md). Returns float32 [n, V]:
+        the logits after each prompt's last token (what picks its first generated token).
         """
         slots = [int(s) for s in slots]
         if len(prompts) != len(slots) or len(set(slots)) != len(slots):

@@ -140,13 +140,10 @@ def control() -> tuple:
 def _row(op, tensors) -> dict:
     """Compile ``op`` for CUDA operands (the stand-ins a compiling worker of the runtime uses: operands in global
     memory, as on the GPU; CPU tensors would be generic-address operands, other code) and read its cubin."""
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
-
     from nvfp4_megamoe.kernels import cute_host
 
     specs = [(shape, dtype, "cuda", aligned) for shape, dtype, _, aligned in map(cute_host._operand_spec, tensors)]
-    fn = cute.compile(op, *map(cute_host._operand, specs), make_fake_stream(), options="--enable-tvm-ffi")
+    fn = cute_host.compile_described(op, [cute_host._operand(spec) for spec in specs])
     return {"kernel": type(op).__name__, "key": repr(op.key()), "threads": getattr(op, "threads", 0),
             "min_ctas": getattr(op, "min_ctas", None), **cubin_resources(fn.artifacts.CUBIN)}
 

@@ -119,8 +119,7 @@ class _ClaimsCuda:
 def test_a_workers_stand_ins_compile_to_the_code_of_cuda_tensors(tmp_path):
     """The fake tensors a worker compiles from give the object file that CUDA tensors give (kernel and host code;
     only the symbol names, which spell the argument types, differ)."""
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import from_dlpack, make_fake_stream
+    from cutlass.cute.runtime import from_dlpack
 
     from kernel_resources_probe import elf_sections
 
@@ -132,7 +131,7 @@ def test_a_workers_stand_ins_compile_to_the_code_of_cuda_tensors(tmp_path):
              for shape, dtype, _, aligned in map(cute_host._operand_spec, args)]
     objects = []
     for operands in (cuda, fakes):
-        fn = cute.compile(op, *operands, make_fake_stream(), options="--enable-tvm-ffi")
+        fn = cute_host.compile_described(op, operands)
         fn.export_to_c(str(tmp_path / "k.o"), "k")
         objects.append({name: data for name, data in elf_sections((tmp_path / "k.o").read_bytes()).items()
                         if name not in (".symtab", ".strtab")})
