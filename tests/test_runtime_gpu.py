@@ -7,6 +7,7 @@ activations (W4A16), so agreement is to BF16 rounding, not to float32.
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import pytest
@@ -172,29 +173,101 @@ def test_decode_steps_do_not_wait_for_the_gpu(converted):
         assert torch.isfinite(logits).all(), mode
 
 
+class RowDecisions:
+    """The discrete choices of a batched run (routed experts, the indexer's picks in prefill and decode) recorded,
+    then given row by row to runs of one sequence, so that a near-tie which rounding flips does not become another
+    expert or entry (on a random synthetic model, another token's logits). The kernels' tilings and the MoE's
+    atomic sums differ between a batch of 8 and one, so without this the comparison measures the model's chaos,
+    not the ragged state. Counts the choices a run of one would have made otherwise (``flips``, printed).
+
+    Recording: set ``tag`` (the calls go under it). Forcing: ``force(entries)`` with (tag, row) pairs, the row
+    taken from a decode step's [B, ...] choices (None: the whole choice, as in a prompt's own prefill)."""
+
+    NAMES = ("route_topk", "indexer_topk", "chunk_topk")
+
+    def __init__(self, model):
+        self.backend, self.log, self.tag, self.queue = model.backend, {}, None, None
+        self.inner = {name: getattr(model.backend, name) for name in self.NAMES}
+        self.calls = self.flips = 0
+        for name in self.NAMES:
+            setattr(model.backend, name, functools.partial(self._call, name))
+
+    def force(self, entries) -> None:
+        self.queue = [(name, out, row) for tag, row in entries for name, out in self.log[tag]]
+
+    def _call(self, name, *args):
+        own = self.inner[name](*args)
+        if self.queue is None:
+            if self.tag is not None:
+                self.log.setdefault(self.tag, []).append((name, own))
+            return own
+        want_name, out, row = self.queue.pop(0)
+        assert want_name == name, (want_name, name)
+        self.calls += 1
+        if name == "route_topk":
+            ids = (out[0] if row is None else out[0][row:row + 1]).long()
+            self.flips += int(not torch.equal(own[0].sort(-1).values, ids.sort(-1).values))
+            scores, bias, k, scaling = args
+            forced = torch.zeros_like(scores).scatter_(-1, ids, 1e9) + (0 if bias is None else bias.float())
+            got = self.inner[name](scores, forced, k, scaling)   # those experts' weights, from its own scores
+            assert torch.equal(got[0].sort(-1).values, ids.sort(-1).values)
+            return got
+        want = out if row is None else out[row:row + 1]
+        self.flips += int(not torch.equal(own, want))
+        return want
+
+
 def test_ragged_batch_decodes_each_prompt_as_alone(converted):
     """8 prompts of 17 to 4,000 tokens prefill the slots of one state, then decode 64 tokens together (each slot at
-    its own position, steps from the state's CUDA graph); every sequence's logits (after its prompt and after each
-    step) equal those of the same sequence in a state of its own, within the BF16 tolerance of these tests. The
-    kernels' tilings differ between a batch of 8 and one, so the two agree to rounding, not bit for bit."""
+    its own position); every sequence's logits (after its prompt and after each step) equal those of the same
+    sequence in a state of its own, within the BF16 tolerance of these tests, given the batch's discrete choices
+    (:class:`RowDecisions`). The batch runs twice: from the state's CUDA graph, as a user runs it, and eagerly,
+    recording its choices; the two agree (up to the MoE's atomic sums)."""
     model = load_model(converted("flash", "nvfp4"), device="cuda")
+    graphs = model.decode_graphs
     lengths, steps, ctx = (17, 100, 255, 512, 1000, 2049, 3001, 4000), 64, 4096
     prompts = [_ids(model, 20 + i, n) for i, n in enumerate(lengths)]
     toks = _ids(model, 30, len(lengths), steps)
     state = model.new_state(len(lengths), ctx)
     addresses = [t.data_ptr() for t in state.tensors()]
-    first = model.prefill(prompts, state, range(len(lengths)), chunk=512)
-    got = torch.stack([model.step(toks[:, i], state) for i in range(steps)], dim=1)    # [8, steps, V]
+    model.prefill(prompts, state, range(len(lengths)), chunk=512)
+    replays = graphs.replays
+    from_graph = torch.stack([model.step(toks[:, i], state) for i in range(steps)], dim=1)    # [8, steps, V]
+    assert graphs.replays - replays == steps - 1
     assert [t.data_ptr() for t in state.tensors()] == addresses
     assert state.host_positions == tuple(n + steps for n in lengths)
+    del state
+    gc.collect()
+
+    model.decode_graphs = None   # eager: the choices pass through Python, where they are recorded
+    decisions = RowDecisions(model)
+    state = model.new_state(len(lengths), ctx)
+    first = []
+    for s, p in enumerate(prompts):   # one prompt a call, as prefill runs them, to record each one's choices
+        decisions.tag = ("prefill", s)
+        first.append(model.prefill([p], state, [s], chunk=512)[0])
+    got = []
+    for i in range(steps):
+        decisions.tag = ("step", i)
+        got.append(model.step(toks[:, i], state))
+    got = torch.stack(got, dim=1)
+    decisions.tag = None
+    graph_errs = [rel_err(from_graph[:, i], got[:, i]) for i in range(steps)]
+    print(f"ragged batch from its graph vs eager: worst rel err {max(graph_errs):.1e}")
+    assert max(graph_errs[:8]) < 1e-4, graph_errs
+
     worst = []
     for s, p in enumerate(prompts):
+        decisions.force([(("prefill", s), None)] + [(("step", i), s) for i in range(steps)])
         alone = model.new_state(1, ctx)
         want_first = model.prefill([p], alone, [0], chunk=512)[0]
         want = torch.stack([model.step(toks[s, i:i + 1], alone)[0] for i in range(steps)])
+        assert not decisions.queue
         errs = [rel_err(first[s], want_first)] + [rel_err(got[s, i], want[i]) for i in range(steps)]
         worst.append(max(errs))
-    print("ragged batch vs alone, worst rel err per sequence:", [f"{e:.1e}" for e in worst])
+    print("ragged batch vs alone, worst rel err per sequence:", [f"{e:.1e}" for e in worst],
+          f"with the batch's choices; alone, {decisions.flips} of {decisions.calls} would differ")
+    assert decisions.calls > 0
     assert max(worst) < 1e-2, worst
 
 
