@@ -196,6 +196,13 @@ def time_prefill(model, tokens: int, chunk: int, gen: torch.Generator) -> dict:
             "first_run_seconds": runs[0]}
 
 
+def compile_summary(report: list) -> dict:
+    """The load's worker compiles: kernels, workers, the longest and the sum of their seconds."""
+    seconds = [c.seconds for c in report]
+    return {"kernels": len(report), "workers": len({c.worker for c in report}),
+            "failed": sum(bool(c.error) for c in report), "longest_s": max(seconds, default=0.0), "sum_s": sum(seconds)}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from gpu_timing import measure_copy
@@ -217,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
              "compress_ratios": list(config.compress_ratios), "n_experts": sizes["n_experts"], "top_k": sizes["top_k"],
              "copy_bytes_per_s": copy_bw, "load_seconds": load_s,
              "warmup_seconds": getattr(model.backend, "warmup_seconds", None),
+             "compiled": compile_summary(getattr(model.backend, "compile_report", [])),
              "prefill": time_prefill(model, args.prefill_tokens, args.prefill_chunk, gen), "decode": []}
     for context in args.contexts:
         for batch in args.batches:
@@ -232,8 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 
-    kernels = entry["warmup_seconds"] or 0.0
-    print(f"\n{args.checkpoint.name}: {layers} layers, load {load_s:.1f} s (kernels {kernels:.1f} s), "
+    kernels, built = entry["warmup_seconds"] or 0.0, entry["compiled"]
+    print(f"\n{args.checkpoint.name}: {layers} layers, load {load_s:.1f} s (kernels {kernels:.1f} s: "
+          f"{built['kernels']} compiled in {built['workers']} processes, longest {built['longest_s']:.1f} s, "
+          f"sum {built['sum_s']:.1f} s), "
           f"prefill {entry['prefill']['tokens_per_s']:,.0f} tok/s, copy {copy_bw / 1e12:.2f} TB/s")
     print(f"{'ctx':>6} {'B':>4} {'step ms':>8} {'GPU ms':>7} {'host':>5} {'/layer':>7} {'floor ms':>8} "
           f"{'% floor':>7} {'+state':>7} {'tok/s':>9} {'s':>5}")

@@ -19,7 +19,7 @@ it); ``0``, ``off``, ``false``, ``none`` or an empty value turn the disk cache o
 the in-process key, the target, the CuTeDSL version and the source of every
 module in ``kernels/``, so an edited kernel or another toolchain never loads a stale binary; a file
 that fails to load is compiled again, and a folder that cannot be written warns once and leaves the
-kernels in-process. :func:`compile_all` compiles in worker processes, which describe CUDA operands with
+kernels in-process. :func:`compile_all` compiles in worker processes (:mod:`compile_workers`), which describe CUDA operands with
 CuTe's fake tensors (no CUDA context in a worker) and store what they compile.
 ``tests/test_moe_sm90_gpu.py`` checks that loaded kernels compute what compiled ones do (passed on an H200).
 """
@@ -218,10 +218,12 @@ def _compile_share(jobs: list[tuple[object, list[tuple], tuple[Path, str]]]) -> 
     return len(jobs)
 
 
-def compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | None = None) -> int:
+def compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | None = None,
+                report: list | None = None) -> int:
     """Compile every (op, tensors) job not compiled yet: in up to ``processes`` worker processes (default: the CPU
-    cores) when the disk cache is on and more than one job is left, which store the object files that this process
-    then loads; otherwise here, one after the other. Returns how many jobs were compiled (not found cached)."""
+    cores; :mod:`compile_workers`) when the disk cache is on and more than one job is left, which store the object
+    files that this process then loads; otherwise here, one after the other. Returns how many jobs were compiled
+    (not found cached); ``report``, when given, receives a :class:`compile_workers.Compiled` per worker job."""
     todo: dict[tuple, tuple] = {}
     for op, tensors in jobs:
         key = compile_key(op, tensors)
@@ -232,18 +234,21 @@ def compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | 
     stored = [job for job in todo.values() if job[2] is not None]  # a worker's kernel reaches this process on disk
     workers = min(len(stored), processes or os.cpu_count() or 1)
     if workers > 1 and cache_folder() is not None:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+        from nvfp4_megamoe.kernels.compile_workers import run_jobs
 
-        # the longest compiles first, one job a task, so that no worker is left with a long one at the end
+        # the longest compiles first, so that no worker is left with a long one at the end
         order = sorted(stored, key=lambda job: getattr(job[0], "compile_cost", 1), reverse=True)
-        specs = [[(op, [_operand_spec(t) for t in tensors], where)] for op, tensors, where in order]
-        # spawned (not forked) workers: this process may hold a CUDA context
         try:
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-                list(pool.map(_compile_share, specs))
-        except Exception as exc:  # noqa: BLE001 - a worker that failed leaves its kernels to be compiled here
+            done = run_jobs([(op, [_operand_spec(t) for t in tensors], where) for op, tensors, where in order], workers)
+        except Exception as exc:  # noqa: BLE001 - no workers (cannot start, a job that does not pickle): compile here
             warnings.warn(f"parallel kernel compilation failed ({exc}); compiling in this process", stacklevel=2)
+            done = []
+        failed = [c for c in done if c.error]
+        if failed:  # their kernels are compiled here, below
+            warnings.warn(f"{len(failed)} of {len(done)} kernels failed to compile in worker processes "
+                          f"({failed[0].name}: {failed[0].error}); compiling them in this process", stacklevel=2)
+        if report is not None:
+            report.extend(done)
     for op, tensors, _ in todo.values():
         compile_op(op, tensors)  # from the disk cache where a worker stored it
     return len(todo)

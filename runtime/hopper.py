@@ -70,6 +70,7 @@ class HopperBackend(ReferenceBackend):
         self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0, "hc_pre": 0}
         self.warmup_seconds: float | None = None
         self.compiled_at_warmup: int | None = None  # kernels the last warm-up compiled (not found in a cache)
+        self.compile_report: list = []  # the last warm-up's worker compiles (``compile_workers.Compiled``)
 
     # -- dense NVFP4 linears ------------------------------------------------------------------------------------
     def _linear_ready(self, n: int, k: int, device: torch.device) -> bool:
@@ -218,7 +219,8 @@ class HopperBackend(ReferenceBackend):
         dev = model.device
         with cute_host.collecting() as jobs:
             self._warm_shapes(model)
-        self.compiled_at_warmup = cute_host.compile_all(jobs, processes)
+        self.compile_report = []
+        self.compiled_at_warmup = cute_host.compile_all(jobs, processes, report=self.compile_report)
         for t in WARMUP_TOKENS:
             model(torch.zeros(1, t, dtype=torch.long, device=dev))
         state = model.new_state(1)

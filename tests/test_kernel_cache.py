@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
+import types
 import warnings
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -73,10 +76,59 @@ def test_compile_all_compiles_in_worker_processes_and_loads_here(cache, monkeypa
     jobs = [(Sm90MoeRouting(experts=64, top_k=4, tile_tokens=t), _routing_args(12)) for t in (8, 16)]
     import cutlass.cute as cute
     monkeypatch.setattr(cute, "compile", _no_compile)
-    assert cute_host.compile_all(jobs, processes=2) == 2
+    report = []
+    assert cute_host.compile_all(jobs, processes=2, report=report) == 2
     assert len(list(cache.glob("*.o"))) == 2
     assert all(cute_host.compile_key(op, args) in cute_host._COMPILED for op, args in jobs)
+    assert [c.error for c in report] == [None, None] and all(c.seconds > 0 for c in report)
+    assert len({c.worker for c in report}) == 2 and os.getpid() not in {c.worker for c in report}
     assert cute_host.compile_all(jobs, processes=2) == 0
+
+
+_UNGUARDED_SCRIPT = '''
+import os, sys
+with open(sys.argv[1], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+from nvfp4_megamoe.kernels import cute_host
+from nvfp4_megamoe.kernels.sm90_moe_routing import Sm90MoeRouting
+import torch
+args = [torch.zeros(12, dtype=torch.int64), torch.zeros(12), torch.zeros(12, dtype=torch.int32), torch.zeros(12),
+        torch.zeros(9, 3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), torch.zeros(12, dtype=torch.int32)]
+jobs = [(Sm90MoeRouting(experts=64, top_k=4, tile_tokens=t), args) for t in (8, 16)]
+report = []
+print(cute_host.compile_all(jobs, processes=2, report=report), len({c.worker for c in report}))
+'''
+
+
+def test_compiling_workers_do_not_run_the_users_script(cache, tmp_path):
+    """A script without an ``if __name__ == "__main__":`` guard compiles in worker processes that do not run it
+    again (multiprocessing's spawned workers re-run the main script: a model loaded in every worker)."""
+    script, runs = tmp_path / "user_script.py", tmp_path / "runs.txt"
+    script.write_text(_UNGUARDED_SCRIPT)
+    res = subprocess.run([sys.executable, "-W", "error", str(script), str(runs)], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["2", "2"]  # two kernels compiled, by two workers
+    assert len(runs.read_text().split()) == 1 and len(list(cache.glob("*.o"))) == 2
+
+
+def test_a_job_a_worker_cannot_read_is_compiled_here(cache):
+    """A job whose op the workers cannot unpickle (its class lives only in this process) comes back as failed,
+    with a warning, and this process compiles it; the other job is the workers'."""
+    here_only = types.ModuleType("only_in_this_process")
+    local = type("LocalRouting", (Sm90MoeRouting,), {"__module__": here_only.__name__})
+    here_only.LocalRouting = local
+    sys.modules[here_only.__name__] = here_only
+    try:
+        jobs = [(local(experts=64, top_k=4, tile_tokens=8), _routing_args(12)),
+                (Sm90MoeRouting(experts=64, top_k=4, tile_tokens=16), _routing_args(12))]
+        report = []
+        with pytest.warns(UserWarning, match="1 of 2 kernels failed .*LocalRouting.*only_in_this_process"):
+            assert cute_host.compile_all(jobs, processes=2, report=report) == 2
+    finally:
+        del sys.modules[here_only.__name__]
+    assert sorted((c.name, c.error is None) for c in report) == [("LocalRouting", False), ("Sm90MoeRouting", True)]
+    assert all(cute_host.compile_key(op, args) in cute_host._COMPILED for op, args in jobs)
 
 
 def test_a_worker_compiles_for_cuda_operands_without_cuda(cache):
