@@ -343,3 +343,17 @@ def test_expert_range_on_gpu_is_a_partial_sum(converted):
     parts = sum(h.backend.moe(x, ids, wts, m, limit) for h, m in zip(halves, lw))
     whole = full.backend.moe(x, ids, wts, full.weights.layers[1].moe, limit)
     assert rel_err(parts, whole) < 1e-5
+
+
+def test_rms_norm_on_the_gpu_matches_the_reference():
+    """The kernels path's RMSNorm (``F.rms_norm``, the weight's float32 copy made once) against the reference's
+    formula, with and without a weight, on random data."""
+    be, ref = HopperBackend(), ReferenceBackend()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(5, 4, 4096, device="cuda", generator=gen) * 3
+    w = torch.randn(4096, device="cuda", generator=gen).bfloat16()
+    for weight in (w, None):
+        got = be.rms_norm(x, weight, 1e-6)
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        assert rel_err(got, ref.rms_norm(x, weight, 1e-6)) < 1e-6
+    assert be._f32(w) is be._f32(w) and be._f32(w).dtype == torch.float32
