@@ -17,6 +17,7 @@ the PyTorch references everywhere else.
   :func:`~nvfp4_megamoe.kernels.sm90_nvfp4_linear.sm90_nvfp4_linear` (W4A16, float32 out) where it tiles the
   weight (``can_implement``; ``wo_a``: also 128-row groups, so each group's scales are a slice of the swizzled
   block); FP8 and BF16 linears stay on the reference.
+* RMSNorm: the reference's float32 formula as one ``F.rms_norm`` launch, each weight's float32 copy made once.
 
 Each op asks its kernel's ``can_implement`` and runs the reference where the answer is no: this module is the
 one place that chooses between a kernel and the reference.
