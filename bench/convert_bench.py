@@ -1,6 +1,7 @@
 """Converter benchmark (not a test): conversion time against ``cp -r`` of the same source, peak anonymous
 memory, throughput; default options, ``--dense keep``, ``--buffered-io`` and ``--target sm90``; the scaling
-with the number of workers; where the time goes (per stage and thread, ``nvfp4-convert convert --timings``);
+with the number of workers; where the time goes (the process's serial steps, and per stage and thread in the
+pipeline: ``nvfp4-convert convert --timings``);
 and the memory check at twice the experts.
 
     python bench/convert_bench.py --workdir /tmp/convert-bench   # makes the checkpoints if missing;
@@ -32,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from nvfp4_megamoe.convert.timing import format_report
+from nvfp4_megamoe.convert.timing import format_report, format_run
 
 GiB = 1024**3
 
@@ -269,6 +270,9 @@ def main() -> None:
         ratio_s = "" if nbytes != size else f"{r['wall_s'] / res['cp_sync_s']:.2f}"
         print(f"| {label} | {r['wall_s']:.1f} | {ratio} | {ratio_s} | {nbytes / r['wall_s'] / 1e9:.2f} | "
               f"{r['peak_rss_anon'] / 2**20:.0f} |")
+    print("\nthe whole process (the serial steps before the pipeline, and after the timings were taken):")
+    for label, r, _ in rows:
+        print(f"  {label}: {format_run(r['timings'], r['wall_s'])}")
     if twice is not None:
         growth = res["twice_default"]["peak_rss_anon"] / res["default"]["peak_rss_anon"] - 1
         print(f"peak RssAnon growth at twice the experts: {growth * 100:+.1f}%")
@@ -281,7 +285,7 @@ def main() -> None:
         for r in res["scaling"]:
             print(scaling_row(r, res["scaling"][0]))
     print(f"\nwhere the time went (default options, {args.workers} workers, best round):")
-    print(format_report(res["default"]["timings"]))
+    print(format_report(res["default"]["timings"], res["default"]["wall_s"]))
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
 

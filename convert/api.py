@@ -46,9 +46,9 @@ from .source_hashes import SourceHashes
 from .staging import Stager
 from .hashing import hash_threads, sha256_file
 from . import timing
-from .timing import stage
+from .timing import phase, stage
 
-if TYPE_CHECKING:  # torch: imported once the plan is made (the output-folder checks come first, without it)
+if TYPE_CHECKING:  # torch: imported to make the plan (the output-folder checks come first, without it)
     import torch
 
     from .writer import ShardWriter
@@ -292,22 +292,27 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
     or file. With ``dry_run`` only the plan is made (no shard is downloaded).
     """
     out = Path(out)
-    src = open_source(source, revision=revision, cache_dir=cache_dir,
-                      staging_dir=None if keep_source else out / STAGING_DIR, progress=progress)
+    timing.begin_run()
+    with phase("open-source"):
+        src = open_source(source, revision=revision, cache_dir=cache_dir,
+                          staging_dir=None if keep_source else out / STAGING_DIR, progress=progress)
     try:
         options = Options(dense=dense, shard_size=shard_size, target=target)
-        finished = None if dry_run else check_output(out, src, options, resume)
-        plan = make_plan(src, options)
+        with phase("check-output"):
+            finished = None if dry_run else check_output(out, src, options, resume)
+        with phase("import-torch"):  # the plan's units are torch code: torch from here on
+            from .pipeline import conversion_device, threads_for_run
+        with phase("plan"):
+            plan = make_plan(src, options)
         if on_plan is not None:
             on_plan(plan)
         if dry_run:
             return ConvertResult(out, plan, {})
         if finished is not None:
             return ConvertResult(out, plan, finished, skipped_shards=len(plan.shards))
-        from .pipeline import conversion_device, threads_for_run  # torch from here on
-
         run_device = conversion_device(device)  # refused (no GPU) before anything is written
-        prep = prepare_output(out, src, plan, resume)
+        with phase("prepare-output"):
+            prep = prepare_output(out, src, plan, resume)
         timing.start()
         try:
             with threads_for_run():

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from nvfp4_megamoe.convert.api import convert_checkpoint
 from nvfp4_megamoe.convert.cli import main
 from nvfp4_megamoe.convert.synth import write_synthetic
+from nvfp4_megamoe.convert.timing import format_run
 
 
 @pytest.mark.parametrize("variant,extra", [("modelopt", {}), ("flash", {"out_of_range_blocks": 3})])
@@ -27,8 +28,9 @@ def test_conversion_is_deterministic_whatever_the_workers(tmp_path, variant, ext
 
 
 def test_timings_say_where_the_time_went(tmp_path):
-    """``--timings`` writes wall and CPU seconds per stage and per thread group; a worker's busy time fits in the
-    run; a folder that does not exist is refused before anything is converted."""
+    """``--timings`` writes wall and CPU seconds per stage and per thread group, and the run's serial steps around
+    the pipeline; a worker's busy time fits in the run; a folder that does not exist is refused before anything is
+    converted."""
     src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
     r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--no-progress", "--workers", "3",
                                   "--timings", str(tmp_path / "t.json")])
@@ -39,6 +41,13 @@ def test_timings_say_where_the_time_went(tmp_path):
     assert 1 <= workers["threads"] <= 3 and all(0 < b <= t["wall_s"] for b in workers["busy_s"])
     index = json.loads((src / "model.safetensors.index.json").read_text())
     assert t["stages"]["read"]["calls"] >= len(index["weight_map"])  # every source tensor, copies in pieces
+    run = t["run"]  # the whole run: the serial steps before the pipeline, one after the other, then the pipeline
+    assert {"open-source", "check-output", "import-torch", "plan", "prepare-output"} <= set(run["phases"])
+    assert run["pipeline_s"] == t["wall_s"] and 0 < run["began_s"] < run["reported_s"]
+    unaccounted = run["reported_s"] - run["began_s"] - sum(run["phases"].values()) - run["pipeline_s"]
+    assert -0.01 < unaccounted < 0.25, run
+    line = format_run(t, run["reported_s"] + 0.5)
+    assert line.startswith("run (s): start and imports") and "output and exit 0.50" in line, line
     r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out2"), "--timings",
                                   str(tmp_path / "missing" / "t.json")])
     assert r.exit_code == 2 and "does not exist" in r.output and not (tmp_path / "out2").exists()
