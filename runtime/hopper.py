@@ -110,11 +110,13 @@ class HopperBackend(ReferenceBackend):
         rows = n // groups
         if rows % ROW_ATOM or not self._linear_ready(rows, k, x.device):
             return super().grouped_linear(x, w, groups)
-        xg = x.reshape(-1, groups, k).to(torch.bfloat16)
-        out = torch.empty(groups, xg.shape[0], rows, dtype=torch.float32, device=x.device)
+        # one cast-and-transpose launch makes every group's input contiguous (not a copy per group)
+        xt = x.reshape(-1, groups, k).transpose(0, 1)
+        xg = torch.empty(xt.shape, dtype=torch.bfloat16, device=x.device).copy_(xt)
+        out = torch.empty(groups, xg.shape[1], rows, dtype=torch.float32, device=x.device)
         for g in range(groups):
             lo, hi = g * rows, (g + 1) * rows
-            sm90_nvfp4_linear(xg[:, g].contiguous(), w.weight[lo:hi],
+            sm90_nvfp4_linear(xg[g], w.weight[lo:hi],
                               swizzled_row_slice(w.weight_scale, n, k // 16, lo, hi), w.alpha, out=out[g])
         self.kernel_calls["linear"] += 1
         return out.permute(1, 0, 2).reshape(*x.shape[:-1], rows)
