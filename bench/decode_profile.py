@@ -1,0 +1,65 @@
+"""GPU time of every kernel of one decode step, by kernel name: where a step's time goes, op by op.
+
+For a converted checkpoint on the GPU (``load_model(device="cuda")``): a state of ``--context`` tokens per slot
+filled as ``e2e_bench.py`` fills it (random entries, slots at staggered positions), three warm steps, then
+``--steps`` eager steps (``model.decode_graphs = None``: the same kernels a graph replays, one launch each) under
+``torch.profiler``; per batch, the kernels' GPU microseconds a step and launches a step, summed by kernel name,
+largest first. The sum is the step's GPU time without the host (a graph replay's, up to launch gaps).
+
+    python bench/decode_profile.py --checkpoint /tmp/flash-layer-sm90 --batches 1 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from pathlib import Path
+
+import torch
+
+from e2e_bench import fill_state
+
+
+def profile_step(model, batch: int, context: int, steps: int, gen: torch.Generator) -> dict[str, tuple[float, float]]:
+    """Kernel name -> (GPU us a step, launches a step) over ``steps`` eager steps at ``batch``."""
+    state = model.new_state(batch, context + 3 + steps)
+    fill_state(state, context, gen)
+    toks = torch.randint(0, model.config.vocab_size, (3 + steps, batch), device="cuda", generator=gen)
+    for i in range(3):
+        model.step(toks[i], state)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(3, 3 + steps):
+            model.step(toks[i], state)
+        torch.cuda.synchronize()
+    total: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[e.name][0] += e.device_time_total / steps
+            total[e.name][1] += 1 / steps
+    return {name: (us, n) for name, (us, n) in total.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", type=Path, required=True, help="a converted checkpoint folder")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=30, help="kernel names printed per batch")
+    args = ap.parse_args()
+    from nvfp4_megamoe.runtime import load_model
+
+    model = load_model(args.checkpoint, device="cuda")
+    model.decode_graphs = None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for batch in args.batches:
+        rows = profile_step(model, batch, args.context, args.steps, gen)
+        us, launches = sum(v[0] for v in rows.values()), sum(v[1] for v in rows.values())
+        print(f"\nB={batch}, context {args.context}: {us:.0f} us of kernels a step, {launches:.0f} launches")
+        for name, (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:args.top]:
+            print(f"{t:9.1f} us {n:5.0f}x  {name[:100]}")
+
+
+if __name__ == "__main__":
+    main()
