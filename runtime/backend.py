@@ -106,15 +106,10 @@ class ReferenceBackend:
                      n_valid: torch.Tensor) -> torch.Tensor:
         """q [B, h, d], keys [B, N, d], weights [B, h], n_valid int [B] -> int32 [B, k] entry indices
         (ties: lower index first), -1 where fewer than k entries are visible."""
-        scores = indexer_reference.indexer_scores(q[:, None], keys, weights[:, None])[:, 0]   # [B, N]
-        n = keys.shape[1]
-        visible = torch.arange(n, device=q.device)[None] < n_valid.to(q.device)[:, None]
-        picked = indexer_reference.select_topk(scores[:, None], visible[:, None], k)[:, 0]
-        order = torch.sort(scores.masked_fill(~picked, float("-inf")), dim=-1, descending=True, stable=True)
-        idx = torch.where(picked.gather(1, order.indices), order.indices, -1)[:, :k]
-        if idx.shape[1] < k:
-            idx = torch.cat((idx, idx.new_full((idx.shape[0], k - idx.shape[1]), -1)), dim=1)
-        return idx.to(torch.int32)
+        # one block of every key: a step scores all of a row's entries at once, as the GPU kernels do
+        picked = indexer_reference.topk_in_blocks(q[:, None], keys, weights[:, None], n_valid[:, None], k,
+                                                  block=max(1, keys.shape[1]))
+        return picked[:, 0].to(torch.int32)
 
     def decode_attention(self, q: torch.Tensor, kv_window: torch.Tensor, window_len: torch.Tensor,
                          kv_compressed: torch.Tensor | None, indices: torch.Tensor | None,
