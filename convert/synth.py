@@ -85,7 +85,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -332,25 +334,30 @@ class _Builder:
         # inputs) far below swiglu_limit -- the official code clamps routed experts only.
         for w, (o, i), gain in (("w1", (I, H), 0.5), ("w2", (H, I), 1.0), ("w3", (I, H), 0.5)):
             self.fp8(t, f"{f}shared_experts.{w}", o, i, gain)
-        for e in range(E):
-            for w, (o, i) in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H))):
-                name = f"{f}experts.{e}.{w}"
-                g = self.rng(name)
-                if expert_format == "mxfp4":
-                    t[name + ".weight"], t[name + ".scale"] = _mxfp4(g, o, i)
-                elif expert_format == "fp8":
-                    self.fp8(t, name, o, i)
-                elif expert_format == "nvfp4":
-                    # w1 and w3 on deliberately different magnitudes -> different weight_scale_2
-                    gain = {"w1": 0.85, "w3": 1.2, "w2": 1.0}[w]
-                    for k, v in _nvfp4(g, o, i, gain).items():
-                        t[f"{name}.{k}"] = v
-                elif expert_format == "ct_nvfp4":
-                    gain = {"w1": 0.85, "w3": 1.2, "w2": 1.0}[w]
-                    for k, v in _ct_nvfp4(g, o, i, gain).items():
-                        t[f"{name}.{k}"] = v
-                else:  # pragma: no cover
-                    raise AssertionError(expert_format)
+        # the routed experts are most of the bytes: made side by side (torch's ops release the GIL; each matrix has
+        # a generator of its own name, so the bytes do not depend on the order), put in the shard in expert order
+        jobs = [(f"{f}experts.{e}.{w}", w, o, i) for e in range(E)
+                for w, (o, i) in (("w1", (I, H)), ("w2", (H, I)), ("w3", (I, H)))]
+        with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1) or 1) as pool:
+            for part in pool.map(lambda job: self.expert(*job, expert_format), jobs):
+                t.update(part)
+        return t
+
+    def expert(self, name: str, w: str, o: int, i: int, expert_format: str) -> dict[str, torch.Tensor]:
+        """One routed expert's matrix ``name`` (``w1``, ``w2`` or ``w3``: [o, i]) with its scales."""
+        g, t = self.rng(name), {}
+        if expert_format == "mxfp4":
+            t[name + ".weight"], t[name + ".scale"] = _mxfp4(g, o, i)
+        elif expert_format == "fp8":
+            self.fp8(t, name, o, i)
+        elif expert_format in ("nvfp4", "ct_nvfp4"):
+            # w1 and w3 on deliberately different magnitudes -> different weight_scale_2
+            gain = {"w1": 0.85, "w3": 1.2, "w2": 1.0}[w]
+            make = _nvfp4 if expert_format == "nvfp4" else _ct_nvfp4
+            for k, v in make(g, o, i, gain).items():
+                t[f"{name}.{k}"] = v
+        else:  # pragma: no cover
+            raise AssertionError(expert_format)
         return t
 
     def out_of_range(self, t: dict[str, torch.Tensor], prefix: str, n: int) -> None:
