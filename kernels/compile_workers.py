@@ -33,7 +33,7 @@ class Compiled(NamedTuple):
 def _worker_env() -> dict[str, str]:
     # the parent's import path, as multiprocessing hands it to spawned workers: the package resolves the same way
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)   # "": this process's folder
     return env
 
 
