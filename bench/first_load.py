@@ -20,6 +20,7 @@ import torch  # noqa: E402
 
 from nvfp4_megamoe.kernels import cute_host  # noqa: E402
 from nvfp4_megamoe.runtime import load_model  # noqa: E402
+from e2e_bench import compile_summary  # noqa: E402
 
 
 def main(path: str) -> None:
@@ -52,9 +53,9 @@ def main(path: str) -> None:
           f"disk in {loads[1]:.1f} s) + warm-up forwards {t_end - marks['end']:.1f} s")
     report = be.compile_report
     if report:
-        print(f"worker compiles: {len(report)} kernels in {len({c.worker for c in report})} processes, "
-              f"sum {sum(c.seconds for c in report):.1f} s, longest {max(c.seconds for c in report):.1f} s, "
-              f"failed {sum(bool(c.error) for c in report)}")
+        built = compile_summary(report)
+        print(f"worker compiles: {built['kernels']} kernels in {built['workers']} processes, "
+              f"sum {built['sum_s']:.1f} s, longest {built['longest_s']:.1f} s, failed {built['failed']}")
         for c in sorted(report, key=lambda c: -c.seconds)[:12]:
             print(f"   {c.name:<28} {c.seconds:5.1f} s")
 

@@ -93,7 +93,6 @@ def _serve() -> None:
     from nvfp4_megamoe.kernels import cute_host
 
     while True:
-        t0 = time.perf_counter()
         try:
             job = jobs.recv()
         except EOFError:
@@ -101,6 +100,7 @@ def _serve() -> None:
         except Exception as exc:  # noqa: BLE001 - a job this process cannot unpickle: the parent compiles it
             answers.send((os.getpid(), 0.0, f"{type(exc).__name__}: {exc}"))
             continue
+        t0 = time.perf_counter()
         try:
             cute_host._compile_share([job])
             error = None

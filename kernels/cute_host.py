@@ -19,8 +19,8 @@ it); ``0``, ``off``, ``false``, ``none`` or an empty value turn the disk cache o
 the in-process key, the target, the CuTeDSL version and the source of every
 module in ``kernels/``, so an edited kernel or another toolchain never loads a stale binary; a file
 that fails to load is compiled again, and a folder that cannot be written warns once and leaves the
-kernels in-process. :func:`compile_all` compiles in worker processes (:mod:`compile_workers`), which describe CUDA operands with
-CuTe's fake tensors (no CUDA context in a worker) and store what they compile.
+kernels in-process. :func:`compile_all` compiles in worker processes (:mod:`compile_workers`), which describe
+CUDA operands with CuTe's fake tensors (no CUDA context in a worker) and store what they compile.
 ``tests/test_moe_sm90_gpu.py`` checks that loaded kernels compute what compiled ones do (passed on an H200).
 """
 
@@ -231,9 +231,10 @@ def compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | 
         cached = key in _COMPILED or (where is not None and where[0].is_file())
         if not cached:
             todo.setdefault(key, (op, tensors, where))
-    stored = [job for job in todo.values() if job[2] is not None]  # a worker's kernel reaches this process on disk
+    # a worker's kernel reaches this process through the disk cache: none without one
+    stored = [job for job in todo.values() if job[2] is not None]
     workers = min(len(stored), processes or os.cpu_count() or 1)
-    if workers > 1 and cache_folder() is not None:
+    if workers > 1:
         from nvfp4_megamoe.kernels.compile_workers import run_jobs
 
         # the longest compiles first, so that no worker is left with a long one at the end

@@ -35,9 +35,10 @@ def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Te
 
 def topk_in_blocks(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, n_visible: torch.Tensor, k: int,
                    block: int) -> torch.Tensor:
-    """q [B, T, h, d], keys [B, N, d], weights [B, T, h], n_visible int [T] or [B, T] (query t of row b sees entries
-    < n_visible[b, t]) -> int64 [B, T, k] entry indices, best first (ties: lower index), -1 past the visible entries.
-    The entries :func:`select_topk` picks, scored ``block`` keys at a time: the largest temporary is [B, T, h, block]."""
+    """q [B, T, h, d], keys [B, N, d], weights [B, T, h], n_visible int [T] or [B, T] (query t of row b sees
+    entries < n_visible[b, t]) -> int64 [B, T, k] entry indices, best first (ties: lower index), -1 past the
+    visible entries. The entries :func:`select_topk` picks, scored ``block`` keys at a time: the largest temporary
+    is [B, T, h, block]."""
     b, t = q.shape[:2]
     n_visible = n_visible.to(q.device).expand(b, t)[..., None]
     best = q.new_full((b, t, 0), float("-inf"), dtype=torch.float32)

@@ -51,6 +51,18 @@ def test_moe_kernel_matches_reference_on_loaded_layers(converted, variant, targe
         assert rel_err(got, want) < 1e-2
 
 
+def _same_experts(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.sort(-1).values, b.sort(-1).values)
+
+
+def _route_to(route_topk, ids: torch.Tensor, scores, bias, k, scaling):
+    """``route_topk`` made to pick the experts ``ids``, their weights from ``scores`` as its own choice would have."""
+    forced = torch.zeros_like(scores).scatter_(-1, ids, 1e9) + (0 if bias is None else bias.float())
+    got, weights = route_topk(scores, forced, k, scaling)
+    assert _same_experts(got, ids)
+    return got, weights
+
+
 class SharedRouting:
     """The reference model takes the kernel model's routed-expert choices (``route_topk``, call by call:
     run the kernel model first), so that a router near-tie which BF16 rounding flips does not become a
@@ -70,11 +82,8 @@ class SharedRouting:
             ids = self.pending.pop(0)
             own, _ = slow_inner(scores, bias, k, scaling)
             self.calls += 1
-            self.flips += int(not torch.equal(own.sort(-1).values, ids.sort(-1).values))
-            forced = torch.zeros_like(scores).scatter_(-1, ids, 1e9) + (0 if bias is None else bias.float())
-            got, weights = slow_inner(scores, forced, k, scaling)   # the weights of those experts, from own scores
-            assert torch.equal(got.sort(-1).values, ids.sort(-1).values)
-            return got, weights
+            self.flips += int(not _same_experts(own, ids))
+            return _route_to(slow_inner, ids, scores, bias, k, scaling)
 
         fast.backend.route_topk, slow.backend.route_topk = fast_route, slow_route
 
@@ -206,12 +215,8 @@ class RowDecisions:
         self.calls += 1
         if name == "route_topk":
             ids = (out[0] if row is None else out[0][row:row + 1]).long()
-            self.flips += int(not torch.equal(own[0].sort(-1).values, ids.sort(-1).values))
-            scores, bias, k, scaling = args
-            forced = torch.zeros_like(scores).scatter_(-1, ids, 1e9) + (0 if bias is None else bias.float())
-            got = self.inner[name](scores, forced, k, scaling)   # those experts' weights, from its own scores
-            assert torch.equal(got[0].sort(-1).values, ids.sort(-1).values)
-            return got
+            self.flips += int(not _same_experts(own[0], ids))
+            return _route_to(self.inner[name], ids, *args)
         want = out if row is None else out[row:row + 1]
         self.flips += int(not torch.equal(own, want))
         return want
