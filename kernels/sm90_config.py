@@ -32,6 +32,9 @@ class GemmProblem:
         out_bf16: ``"store"`` writes BF16 instead of float32.
         direct_top_k: MoE modes without the routing kernel (> 0: the top-k): work tile ``p`` is routed pair ``p``
             alone, read from ``topk_ids`` / ``topk_weights`` in [T, k] order.
+        groups: ``"store"``: G independent linears of one launch (a grouped projection such as ``wo_a``): weights
+            [G, M, K/2], x [T, G, K], out [T, G, M], one ``alpha`` for all; M a multiple of 128 (each group's block
+            scales are whole swizzle atoms).
     """
 
     m: int
@@ -43,6 +46,7 @@ class GemmProblem:
     h_order: str = "logical"
     out_bf16: bool = False
     direct_top_k: int = 0
+    groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class MmaTiling:
         pdl: the direct MoE chain under programmatic dependent launch: L1 (``"swiglu"``) lets L2 launch at once,
             L2 (``"scatter"``) starts its weight loads, then waits for L1's ``h``.
         max_ctas: CTAs per SM at most (0: no cap), by padding the CTA's shared memory.
+        k_splits: ``"store"`` with float32 out: K is split over this many CTAs (grid z), each adding its partial sum
+            into ``out`` (``red.add``; the caller zeroes ``out``), so that a small linear at few tokens still has a
+            CTA on every SM streaming its weights.
     """
 
     tile_tokens: int = 8
@@ -73,6 +80,7 @@ class MmaTiling:
     stage_x: bool = False
     pdl: bool = False
     max_ctas: int = 0
+    k_splits: int = 1
 
 
 @dataclass(frozen=True)

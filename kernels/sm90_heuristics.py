@@ -14,6 +14,9 @@ WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
 WGMMA_MIN_MEAN = 8.0                      # mean routed pairs per expert from which the WGMMA kernels run
 DIRECT_MAX_TOKENS = 4                     # calls up to this many tokens skip the routing kernel
 INTERLEAVE_MAX_TOKENS = 4                 # calls up to this many tokens interleave two row tiles' MMAs
+LINEAR_SPLIT_CTAS = 256                   # dense linears split K until their CTAs reach this many ...
+LINEAR_SPLIT_CTAS_8 = 1024                # ... this many with 8-token tiles (few partial sums to add) ...
+LINEAR_SPLIT_MAX_TILES = 2                # ... while they have at most this many token tiles
 DIRECT_ONE_ROW_TILE_CTAS = 3              # direct calls with one row tile: CTAs per SM at most (PDL spread)
 WGMMA_WIDE_HIDDEN = 7168                  # layers this wide run two-warpgroup WGMMA CTAs from N = 64 ...
 WGMMA_TWO_GROUPS_MAX_TOKENS = 80          # ... with two m64 row groups a warpgroup up to this N
@@ -55,26 +58,49 @@ def wgmma_fits_k(k: int) -> bool:
 
 
 def mma_tiling(problem: GemmProblem, tile_tokens: int, row_tiles: int = 1, *, k_warps: int = 1,
-               interleave: bool = False, block_columns: bool = False, direct: bool = False) -> MmaTiling:
+               interleave: bool = False, block_columns: bool = False, direct: bool = False,
+               k_splits: int = 1) -> MmaTiling:
     """The mma.sync tiling of ``problem``. Direct MoE calls (``direct``) run under PDL; with one row tile capped at
     ``DIRECT_ONE_ROW_TILE_CTAS`` CTAs per SM, and L1 staging its token's x in shared memory."""
-    k_tiles = problem.k // K_TILE
+    k_tiles = problem.k // K_TILE // k_splits
     want = 2 if row_tiles == 2 or k_warps > 1 else 4  # two row tiles or two K warps: registers for 2 in flight
     if not (tile_tokens == 8 and problem.mode != "store" and k_tiles % k_warps == 0):
         k_warps = 1
     depth = fit_depth(k_tiles // k_warps, want)
     moe = problem.mode != "store"
-    return MmaTiling(tile_tokens=tile_tokens, row_tiles=row_tiles, depth=depth, k_warps=k_warps,
+    return MmaTiling(tile_tokens=tile_tokens, row_tiles=row_tiles, depth=depth, k_warps=k_warps, k_splits=k_splits,
                      interleave_rows=interleave and row_tiles > 1, block_columns=block_columns,
                      stage_x=direct and problem.mode == "swiglu" and problem.b_order == "logical",
                      pdl=direct and moe, max_ctas=DIRECT_ONE_ROW_TILE_CTAS if direct and moe and row_tiles == 1 else 0)
 
 
-def linear_config(n: int, k: int, tokens: int, out_bf16: bool = False) -> GemmConfig:
-    """The dense NVFP4 linear for ``tokens`` rows of x [., K] against W [N, K]: the mma.sync kernel with one group
-    (``"store"``), the smallest token tile of 8..64 that holds the rows."""
-    problem = GemmProblem(m=n, k=k, mode="store", out_bf16=out_bf16)
-    return GemmConfig(problem, mma_tiling(problem, smallest_tile(tokens, TILE_TOKEN_CHOICES)))
+def pick_k_splits(ctas: int, k_tiles: int, token_tiles: int, tile_tokens: int) -> int:
+    """K shares of a dense linear whose grid has ``ctas`` CTAs without splitting: doubled (while they divide the
+    ``k_tiles``) until the grid reaches ``LINEAR_SPLIT_CTAS`` (``LINEAR_SPLIT_CTAS_8`` with 8-token tiles), for
+    calls of at most ``LINEAR_SPLIT_MAX_TILES`` token tiles (more tiles fill the SMs themselves, and each share adds
+    its partial outputs through the L2)."""
+    target = LINEAR_SPLIT_CTAS_8 if tile_tokens == 8 else LINEAR_SPLIT_CTAS
+    splits = 1
+    if token_tiles <= LINEAR_SPLIT_MAX_TILES:
+        while ctas * splits < target and k_tiles % (2 * splits) == 0:
+            splits *= 2
+    return splits
+
+
+def linear_config(n: int, k: int, tokens: int, out_bf16: bool = False, groups: int = 1) -> GemmConfig:
+    """The dense NVFP4 linear for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K]: the mma.sync kernel
+    (``"store"``), the smallest token tile of 8..64 that holds the rows, K split per :func:`pick_k_splits` (float32
+    out only: the shares are summed in ``out``)."""
+    problem = GemmProblem(m=n, k=k, mode="store", out_bf16=out_bf16, groups=groups)
+    bn = smallest_tile(tokens, TILE_TOKEN_CHOICES)
+    tiles = -(-tokens // bn)
+    splits = 1 if out_bf16 else pick_k_splits(n // 64 * groups * tiles, k // K_TILE, tiles, bn)
+    return GemmConfig(problem, mma_tiling(problem, bn, k_splits=splits))
+
+
+def linear_token_counts() -> tuple[int, ...]:
+    """Token counts that between them reach every configuration :func:`linear_config` picks for a weight."""
+    return TILE_TOKEN_CHOICES + tuple(TILE_TOKEN_CHOICES[-1] * t for t in range(2, LINEAR_SPLIT_MAX_TILES + 2))
 
 
 # -- WGMMA (prefill) ------------------------------------------------------------------------------------------------

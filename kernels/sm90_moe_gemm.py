@@ -99,6 +99,10 @@ def mma_violations(problem: GemmProblem, tiling: MmaTiling) -> list[str]:
         bad.append("pdl is for the direct MoE chain (direct_top_k > 0)")
     if t.max_ctas < 0:
         bad.append(f"max_ctas must be >= 0, got {t.max_ctas}")
+    if t.k_splits < 1 or (t.k_splits > 1 and (problem.mode != "store" or problem.out_bf16 or t.k_warps > 1
+                                               or k_tiles % (t.k_splits * t.depth))):
+        bad.append(f"k_splits must be >= 1, and above 1 only in mode 'store' with float32 out, one K warp and a "
+                   f"depth dividing each split's k-tiles ({k_tiles} in all); got {t.k_splits}")
     return bad
 
 
@@ -118,7 +122,8 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
         self.bm = WARPS * 16 * tiling.row_tiles
         self.k_warps = tiling.k_warps
         self.threads = WARPS * self.k_warps * 32
-        self.n_kt = problem.k // K_TILE // self.k_warps  # k-tiles per warp
+        self.k_splits = tiling.k_splits
+        self.n_kt = problem.k // K_TILE // self.k_warps // self.k_splits  # k-tiles per warp
         self.depth = tiling.depth
         self.interleave_rows = tiling.interleave_rows
         # L2 of the direct chain waits for L1's h; L1 lets L2 launch at once (it zeroes out itself, and follows
@@ -147,7 +152,7 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
         else:
             n_tiles = mTiles.shape[0]
         self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
-            grid=[self.m // self.bm, n_tiles, 1], block=[self.threads, 1, 1], stream=stream,
+            grid=[self.m // self.bm, n_tiles, self.groups * self.k_splits], block=[self.threads, 1, 1], stream=stream,
             smem=self.smem_bytes, use_pdl=self.pdl, **self.occupancy)
 
     @cute.kernel
@@ -155,10 +160,13 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
                mTok: cute.Tensor, mRW: cute.Tensor, mTiles: cute.Tensor, mNumTiles: cute.Tensor,
                mOut: cute.Tensor, mZero: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        # bz is 0 (a grid of one z): the first k-tile reads it all the same, since without the read ptxas allocates
-        # the dense and decode kernels' registers differently (the 4096 x 1024 dense tile of T <= 8: 128 -> 130, one
-        # CTA per SM fewer), and this machine code is the measured one
+        # grid z: a "store" call's groups times its K shares (group bz // k_splits, share bz % k_splits); elsewhere
+        # one, and the first k-tile reads bz all the same, since without the read ptxas allocates the decode kernels'
+        # registers differently, and this machine code is the measured one
         bx, by, bz = cute.arch.block_idx()
+        split = bz
+        if const_expr(self.groups > 1):
+            split = bz % self.k_splits
         if const_expr(self.mode == "swiglu"):
             self.zero_output(mZero, bx, by, tidx)
         if const_expr(self.early_dependents):
@@ -176,6 +184,8 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
         if const_expr(self.mode == "store"):
             if end > mX.shape[0]:
                 end = mX.shape[0]
+            if const_expr(self.groups > 1):
+                expert = bz // self.k_splits
         elif const_expr(self.direct_top_k > 0):
             expert = Int32(mTiles[by, 0])                # the grid has exactly one tile per pair
             begin = by
@@ -189,7 +199,7 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
                 end = mTiles[by, 2]
         if live != 0:
             self.tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, expert, begin, end - begin, bx,
-                      (bz * self.k_warps + kpart) * self.n_kt, warp, kpart, g, c)
+                      (split * self.k_warps + kpart) * self.n_kt, warp, kpart, g, c)
 
     @cute.jit
     def tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,
@@ -213,6 +223,8 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
         b_addr = cute.make_rmem_tensor((self.nb, 2), Int32 if self.stage_x else Int64)
         b_step = cute.make_rmem_tensor((self.nb, 2), Int32)
         x_base = mX.iterator.toint() + Int64(c * 64)
+        if const_expr(self.groups > 1):  # x [T, G, K]: the group's K within each token's row
+            x_base = x_base + Int64(expert) * (k * 2)
         for nb in cutlass.range_constexpr(0 if self.stage_x else self.nb):
             t = nb * 8 + g
             if t > cnt - 1:
@@ -221,7 +233,7 @@ class Sm90Nvfp4MmaGemm(Nvfp4GemmParts):
             if const_expr(self.mode == "swiglu"):
                 brow = self.token_of(mTok, brow)
             for half in cutlass.range_constexpr(2):
-                b_addr[nb, half] = x_base + Int64(brow) * (k * 2)
+                b_addr[nb, half] = x_base + Int64(brow) * (k * 2 * self.groups)
         # block_columns: lane (g, c) feeds B column g, which holds the k-tile's scale block g: the first half of the
         # lane's 32 k when g = 2c, the second when g = 2c + 1, else nothing; those halves read zeros (``mTok``, or
         # with stage_x the zero k-tile after the staged row, read in place)

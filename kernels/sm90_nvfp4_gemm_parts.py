@@ -43,6 +43,9 @@ def problem_violations(problem: GemmProblem) -> list[str]:
         bad.append(f"direct_top_k must be >= 0, and 0 in mode 'store'; got {problem.direct_top_k}")
     if problem.out_bf16 and problem.mode != "store":
         bad.append("out_bf16 is for mode 'store' only")
+    if problem.groups < 1 or (problem.groups > 1 and (problem.mode != "store" or problem.m % 128)):
+        bad.append(f"groups must be >= 1, and above 1 only in mode 'store' with M a multiple of 128; "
+                   f"got {problem.groups} (M={problem.m})")
     return bad
 
 
@@ -51,6 +54,7 @@ class Nvfp4GemmParts:
 
     violations: Callable[[GemmProblem, Tiling], list[str]]  # the family's rules: what it does not take
     family: str                                           # its name in errors
+    k_splits: int = 1                                     # CTAs sharing one tile's K ("store", ``MmaTiling``)
 
     @classmethod
     def can_implement(cls, problem: GemmProblem, tiling: Tiling) -> bool:
@@ -77,6 +81,7 @@ class Nvfp4GemmParts:
         self.b_order, self.h_order = problem.b_order, problem.h_order
         self.out_bf16 = problem.out_bf16
         self.direct_top_k = problem.direct_top_k
+        self.groups = problem.groups
         self.scale_bytes = swizzled_nbytes(problem.m, problem.k // 16)  # per expert
         self.kb4 = math.ceil(problem.k // 16 / 4)  # 512-byte scale atoms per 128 rows
 
@@ -162,10 +167,14 @@ class Nvfp4GemmParts:
         if const_expr(self.mode == "swiglu"):
             scale_lo = mAlpha[2 * expert] * Float32(self.epi_scale)      # gate rows
             scale_hi = mAlpha[2 * expert + 1] * Float32(self.epi_scale)  # up rows
+        elif const_expr(self.mode == "store"):
+            scale_lo = mAlpha[0] * Float32(self.epi_scale)   # one alpha for every group
+            scale_hi = scale_lo
         else:
             scale_lo = mAlpha[expert] * Float32(self.epi_scale)
             scale_hi = scale_lo
         out_base = mOut.iterator.toint()
+        out_row_elems = self.m * self.groups  # "store": a token's row of out holds every group's M outputs
         if const_expr(self.block_columns):
             # a row's 8 block columns, 2 per lane of its quad, summed where the epilogue reads the tile's token
             for mt in cutlass.range_constexpr(self.row_tiles):
@@ -227,10 +236,14 @@ class Nvfp4GemmParts:
                             lo = acc[mt, nb, tt] * scale_lo       # row r0
                             hi = acc[mt, nb, 2 + tt] * scale_hi   # row r0 + 8
                             if const_expr(self.out_bf16):
-                                addr = out_base + (Int64(p) * self.m + Int64(r0)) * 2
+                                addr = out_base + (Int64(p) * out_row_elems + Int64(expert * self.m + r0)) * 2
                                 ptx.st_global_b16(addr, ptx.f32x2_to_bf16x2(lo, lo))
                                 ptx.st_global_b16(addr + 16, ptx.f32x2_to_bf16x2(hi, hi))
                             else:
-                                addr = out_base + (Int64(p) * self.m + Int64(r0)) * 4
-                                ptx.st_global_f32(addr, lo)
-                                ptx.st_global_f32(addr + 32, hi)
+                                addr = out_base + (Int64(p) * out_row_elems + Int64(expert * self.m + r0)) * 4
+                                if const_expr(self.k_splits > 1):   # a share of K: summed with the others'
+                                    ptx.red_add_f32(addr, lo)
+                                    ptx.red_add_f32(addr + 32, hi)
+                                else:
+                                    ptx.st_global_f32(addr, lo)
+                                    ptx.st_global_f32(addr + 32, hi)

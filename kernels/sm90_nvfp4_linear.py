@@ -1,6 +1,8 @@
-"""Dense NVFP4 linear on Hopper (sm_90a): ``x @ W.T * alpha``, the mma.sync grouped GEMM with one group (``"store"``).
+"""Dense NVFP4 linear on Hopper (sm_90a): ``x @ W.T * alpha``, the mma.sync GEMM in mode ``"store"``; or G such
+linears of one launch (``groups``: a grouped projection such as ``wo_a``, each group its own slice of x's row).
 
-W4A16 like the MoE: ``x`` BF16, the weights decoded in registers, fp32 accumulation. The token tile is picked by
+W4A16 like the MoE: ``x`` BF16, the weights decoded in registers, fp32 accumulation. The token tile and the K split
+(a few tokens against a small W would otherwise leave most SMs idle) are picked by
 :func:`~nvfp4_megamoe.kernels.sm90_heuristics.linear_config`; :func:`can_implement` says which W [N, K] it tiles.
 """
 
@@ -12,20 +14,20 @@ import torch
 
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import GemmConfig
-from .sm90_heuristics import TILE_TOKEN_CHOICES, linear_config
+from .sm90_heuristics import linear_config, linear_token_counts
 from .sm90_moe_gemm import Sm90Nvfp4MmaGemm
 from .swizzle import swizzled_nbytes
 
 
-def can_implement(n: int, k: int) -> bool:
-    """Whether the kernel tiles W [N, K] (N a multiple of 64 rows, K of 128)."""
-    config = linear_config(n, k, 1)
+def can_implement(n: int, k: int, groups: int = 1) -> bool:
+    """Whether the kernel tiles ``groups`` W [N, K] (N a multiple of 64 rows, 128 with groups; K of 128)."""
+    config = linear_config(n, k, 1, groups=groups)
     return n > 0 and Sm90Nvfp4MmaGemm.can_implement(config.problem, config.tiling)
 
 
-def linear_op(n: int, k: int, tokens: int, out_bf16: bool = False) -> Sm90Nvfp4MmaGemm:
-    """The kernel :func:`sm90_nvfp4_linear` launches for ``tokens`` rows of x [., K] against W [N, K]."""
-    return _kernel(linear_config(n, k, tokens, out_bf16))
+def linear_op(n: int, k: int, tokens: int, out_bf16: bool = False, groups: int = 1) -> Sm90Nvfp4MmaGemm:
+    """The kernel :func:`sm90_nvfp4_linear` launches for ``tokens`` rows of x [., G, K] against G W [N, K]."""
+    return _kernel(linear_config(n, k, tokens, out_bf16, groups))
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,45 +41,53 @@ _UNUSED: dict[torch.device, torch.Tensor] = {}
 
 def _operands(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, alpha: torch.Tensor,
               out: torch.Tensor) -> list[torch.Tensor]:
-    # one group: the routing operands are unused in "store" mode, 1-element stand-ins (made once per
-    # device, not a zero-fill launch per call) fill their places
-    n, half_k = weight.shape
+    # the routing operands are unused in "store" mode, 1-element stand-ins (made once per device, not a zero-fill
+    # launch per call) fill their places
     unused = _UNUSED.get(x.device)
     if unused is None:
         unused = _UNUSED[x.device] = torch.zeros(1, 3, dtype=torch.int32, device=x.device)
-    return [weight.view(1, n, half_k), weight_scale.reshape(1, -1), alpha.reshape(1), x,
+    return [weight.unsqueeze(0), weight_scale.reshape(1, -1), alpha.reshape(1), x,
             unused[0, :1], alpha.reshape(1), unused, unused[0, :1], out, out]
 
 
-def warmup(n: int, k: int, device: torch.device | str, out_dtype: torch.dtype = torch.float32) -> int:
-    """Compile every token tile :func:`sm90_nvfp4_linear` can pick for W [N, K] (so no call compiles).
+def warmup(n: int, k: int, device: torch.device | str, out_dtype: torch.dtype = torch.float32, groups: int = 1) -> int:
+    """Compile every configuration :func:`sm90_nvfp4_linear` can pick for ``groups`` W [N, K] (so no call compiles).
     Returns how many. The kernels' ValueError for shapes they do not tile (see :func:`can_implement`)."""
     dev = torch.device(device)
-    w = torch.empty(n, k // 2, dtype=torch.uint8, device=dev)
-    sc = torch.empty(swizzled_nbytes(n, k // 16), dtype=torch.uint8, device=dev)
+    w = torch.empty(groups * n, k // 2, dtype=torch.uint8, device=dev)
+    sc = torch.empty(groups * swizzled_nbytes(n, k // 16), dtype=torch.uint8, device=dev)
     alpha = torch.empty(1, dtype=torch.float32, device=dev)
-    x, out = torch.empty(1, k, dtype=torch.bfloat16, device=dev), torch.empty(1, n, dtype=out_dtype, device=dev)
-    for bn in TILE_TOKEN_CHOICES:
-        _compile(linear_op(n, k, bn, out_dtype == torch.bfloat16), _operands(x, w, sc, alpha, out))
-    return len(TILE_TOKEN_CHOICES)
+    x = torch.empty(1, groups * k, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(1, groups * n, dtype=out_dtype, device=dev)
+    ops = {linear_op(n, k, t, out_dtype == torch.bfloat16, groups) for t in linear_token_counts()}
+    for op in ops:
+        _compile(op, _operands(x, w, sc, alpha, out))
+    return len(ops)
 
 
 def sm90_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, alpha: torch.Tensor,
-                      out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Dense NVFP4 linear ``x @ W.T * alpha``.
+                      out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                      groups: int = 1) -> torch.Tensor:
+    """Dense NVFP4 linear ``x @ W.T * alpha``, or ``groups`` of them: ``out[t, g] = x[t, g] @ W[g].T * alpha``.
 
-    ``x`` bf16 [T, K] (T >= 1); ``weight`` uint8 [N, K/2]; ``weight_scale`` uint8 [swz(N, K/16)]; ``alpha``
-    float32 [] or [1] (a CUDA tensor, so no host sync). Returns ``out_dtype`` (bf16 or f32) [T, N].
+    ``x`` bf16 [T, G * K] (T >= 1); ``weight`` uint8 [G * N, K/2] (group g: rows g N .. (g + 1) N); ``weight_scale``
+    uint8 [swz(G * N, K/16)]; ``alpha`` float32 [] or [1] (a CUDA tensor, so no host sync). Returns ``out_dtype``
+    (bf16 or f32) [T, G * N].
     """
-    n, half_k = weight.shape
+    _expect(groups >= 1 and weight.shape[0] % groups == 0, f"weight rows {weight.shape[0]} must split into {groups} groups")
+    n, half_k = weight.shape[0] // groups, weight.shape[1]
     k = 2 * half_k
-    _expect(x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == k and x.shape[0] >= 1 and x.is_contiguous(),
-            f"x must be contiguous bf16 [T >= 1, K={k}], got {x.dtype} {tuple(x.shape)}")
-    _expect(weight_scale.numel() == swizzled_nbytes(n, k // 16), "weight_scale must hold swz(N, K/16) bytes")
+    _expect(x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == groups * k and x.shape[0] >= 1
+            and x.is_contiguous(), f"x must be contiguous bf16 [T >= 1, G*K={groups * k}], got {x.dtype} {tuple(x.shape)}")
+    _expect(weight_scale.numel() == groups * swizzled_nbytes(n, k // 16), "weight_scale must hold swz(G*N, K/16) bytes")
     _expect(alpha.dtype == torch.float32 and alpha.numel() == 1 and alpha.is_cuda, "alpha must be a float32 CUDA scalar")
     if out is None:
-        out = torch.empty(x.shape[0], n, dtype=out_dtype, device=x.device)
-    _expect(tuple(out.shape) == (x.shape[0], n) and out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous(),
-            f"out must be contiguous bf16/f32 [T, N={n}], got {out.dtype} {tuple(out.shape)}")
-    _launch(linear_op(n, k, x.shape[0], out.dtype == torch.bfloat16), _operands(x, weight, weight_scale, alpha, out))
+        out = torch.empty(x.shape[0], groups * n, dtype=out_dtype, device=x.device)
+    _expect(tuple(out.shape) == (x.shape[0], groups * n) and out.dtype in (torch.bfloat16, torch.float32)
+            and out.is_contiguous(), f"out must be contiguous bf16/f32 [T, G*N={groups * n}], got {out.dtype} "
+                                     f"{tuple(out.shape)}")
+    op = linear_op(n, k, x.shape[0], out.dtype == torch.bfloat16, groups)
+    if op.k_splits > 1:
+        out.zero_()  # the K shares add into it
+    _launch(op, _operands(x, weight, weight_scale, alpha, out))
     return out

@@ -13,10 +13,10 @@ the PyTorch references everywhere else.
   dtype these kernels read, so no step converts it;
 * mHC weights before each sublayer (``hc_pre``): :func:`~nvfp4_megamoe.kernels.sm90_mhc.sm90_hc_weights`,
   one launch for the sigmoids, softmax and Sinkhorn rounds (155 torch calls per reference ``hc_pre``);
-* dense NVFP4 linears (attention projections, shared experts, ``wo_a`` per group):
+* dense NVFP4 linears (attention projections, shared experts, ``wo_a`` with all its groups in one launch):
   :func:`~nvfp4_megamoe.kernels.sm90_nvfp4_linear.sm90_nvfp4_linear` (W4A16, float32 out) where it tiles the
-  weight (``can_implement``; ``wo_a``: also 128-row groups, so each group's scales are a slice of the swizzled
-  block); FP8 and BF16 linears stay on the reference.
+  weight (``can_implement``; ``wo_a``: 128-row groups, so each group's scales are whole swizzle atoms); FP8 and
+  BF16 linears stay on the reference.
 * RMSNorm: the reference's float32 formula as one ``F.rms_norm`` launch, each weight's float32 copy made once.
 
 Each op asks its kernel's ``can_implement`` and runs the reference where the answer is no: this module is the
@@ -76,15 +76,15 @@ class HopperBackend(ReferenceBackend):
         self.compile_report: list = []  # the last warm-up's worker compiles (``compile_workers.Compiled``)
 
     # -- dense NVFP4 linears ------------------------------------------------------------------------------------
-    def _linear_ready(self, n: int, k: int, device: torch.device) -> bool:
-        """Whether the dense kernel tiles W [n, k]; the first time it does, compiles all its token tiles."""
+    def _linear_ready(self, n: int, k: int, device: torch.device, groups: int = 1) -> bool:
+        """Whether the dense kernel tiles ``groups`` W [n, k]; the first time it does, compiles all its configurations."""
         from nvfp4_megamoe.kernels import sm90_nvfp4_linear
 
-        key = (n, k, str(device))
+        key = (n, k, groups, str(device))
         if key not in self._linear_fits:
-            self._linear_fits[key] = sm90_nvfp4_linear.can_implement(n, k)
+            self._linear_fits[key] = sm90_nvfp4_linear.can_implement(n, k, groups)
             if self._linear_fits[key]:
-                sm90_nvfp4_linear.warmup(n, k, device)
+                sm90_nvfp4_linear.warmup(n, k, device, groups=groups)
         return self._linear_fits[key]
 
     def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
@@ -102,24 +102,18 @@ class HopperBackend(ReferenceBackend):
 
     def grouped_linear(self, x: torch.Tensor, w: Linear, groups: int) -> torch.Tensor:
         from nvfp4_megamoe.kernels.sm90_nvfp4_linear import sm90_nvfp4_linear
-        from nvfp4_megamoe.kernels.swizzle import ROW_ATOM, swizzled_row_slice
 
         if not (isinstance(w, Nvfp4Linear) and x.is_cuda and x.numel()):
             return super().grouped_linear(x, w, groups)
         n, k = w.weight.shape[0], 2 * w.weight.shape[1]
         rows = n // groups
-        if rows % ROW_ATOM or not self._linear_ready(rows, k, x.device):
+        if not self._linear_ready(rows, k, x.device, groups):
             return super().grouped_linear(x, w, groups)
-        # one cast-and-transpose launch makes every group's input contiguous (not a copy per group)
-        xt = x.reshape(-1, groups, k).transpose(0, 1)
-        xg = torch.empty(xt.shape, dtype=torch.bfloat16, device=x.device).copy_(xt)
-        out = torch.empty(groups, xg.shape[1], rows, dtype=torch.float32, device=x.device)
-        for g in range(groups):
-            lo, hi = g * rows, (g + 1) * rows
-            sm90_nvfp4_linear(xg[g], w.weight[lo:hi],
-                              swizzled_row_slice(w.weight_scale, n, k // 16, lo, hi), w.alpha, out=out[g])
+        # one launch for every group: each token's row of x holds the groups' inputs side by side, as out their outputs
+        xb = x.reshape(-1, groups * k).to(torch.bfloat16).contiguous()
+        out = sm90_nvfp4_linear(xb, w.weight, w.weight_scale, w.alpha, out_dtype=torch.float32, groups=groups)
         self.kernel_calls["linear"] += 1
-        return out.permute(1, 0, 2).reshape(*x.shape[:-1], rows)
+        return out.view(*x.shape[:-1], rows)
 
     # -- MoE ------------------------------------------------------------------------------------------------------
     def _moe_layer(self, experts: MoEWeights, top_k: int, swiglu_limit: float, device: torch.device):
@@ -266,9 +260,8 @@ class HopperBackend(ReferenceBackend):
             self._moe_layer(lw.moe, cfg.top_k, cfg.swiglu_limit, dev)
             a = lw.attn
             for w in _nvfp4_linears(lw):
-                rows = w.weight.shape[0] // cfg.o_groups if w is a.wo_a else w.weight.shape[0]
-                if rows % 128 == 0 or w is not a.wo_a:  # wo_a's groups of whole scale atoms (grouped_linear)
-                    self._linear_ready(rows, 2 * w.weight.shape[1], dev)
+                groups = cfg.o_groups if w is a.wo_a else 1
+                self._linear_ready(w.weight.shape[0] // groups, 2 * w.weight.shape[1], dev, groups)
         if isinstance(model.weights.head, Nvfp4Linear):
             self._linear_ready(model.weights.head.weight.shape[0], 2 * model.weights.head.weight.shape[1], dev)
         if sm90_mhc.Sm90HcWeights.can_implement(cfg.hc_mult):

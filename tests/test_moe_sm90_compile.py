@@ -76,12 +76,27 @@ def test_dense_linear_compiles_sm90a(out_dtype):
     """Every token tile the dense linear picks, with the operands ``sm90_nvfp4_linear`` launches."""
     from nvfp4_megamoe.kernels import sm90_nvfp4_linear
 
-    assert sm90_nvfp4_linear.warmup(1024, 4096, "cpu", out_dtype) == 4
+    # bf16 out: the four token tiles; float32 out: K split too (16 CTAs unsplit: to 512 CTAs with 8-token tiles, to
+    # 256 with wider ones; halved at two token tiles, none from three)
+    assert sm90_nvfp4_linear.warmup(1024, 4096, "cpu", out_dtype) == (4 if out_dtype == torch.bfloat16 else 6)
     assert [sm90_nvfp4_linear.linear_op(1024, 4096, t).bn for t in (1, 8, 9, 17, 33, 64, 5000)] == [8, 8, 16, 32, 64,
                                                                                                       64, 64]
+    if out_dtype == torch.float32:
+        splits = [sm90_nvfp4_linear.linear_op(1024, 4096, t).k_splits for t in (1, 8, 9, 64, 65, 128, 129, 5000)]
+        assert splits == [32, 32, 16, 16, 8, 8, 1, 1]
     assert sm90_nvfp4_linear.can_implement(1024, 4096) and not sm90_nvfp4_linear.can_implement(96, 256)
     with pytest.raises(ValueError, match="multiple"):  # the backend asks can_implement and keeps the reference
         sm90_nvfp4_linear.warmup(96, 256, "cpu")
+
+
+def test_grouped_dense_linear_compiles_sm90a():
+    """wo_a's groups in one launch: 128-row groups only (whole scale atoms each), every configuration compiled."""
+    from nvfp4_megamoe.kernels import sm90_nvfp4_linear
+
+    assert sm90_nvfp4_linear.can_implement(1024, 4096, 8) and not sm90_nvfp4_linear.can_implement(64, 4096, 8)
+    assert sm90_nvfp4_linear.warmup(1024, 4096, "cpu", groups=8) >= 4
+    with pytest.raises(ValueError, match="groups"):
+        sm90_nvfp4_linear.warmup(64, 4096, "cpu", groups=8)
 
 
 def test_moe_heuristics():

@@ -256,20 +256,44 @@ def test_staged_order_kernel_equals_to_order(t, kdim):
     assert out[t].isnan().all()
 
 
-@pytest.mark.parametrize("n,kdim,t,subnormal", [(1024, 4096, 1, 0.02), (4096, 2048, 33, 0.02), (512, 1024, 9, 1.0)])
+# (N, K, T): float32 out splits K (32, 4, 8, 8 and 1 shares: 2 token tiles at T = 128, 4 at T = 200), bf16 does not
+@pytest.mark.parametrize("n,kdim,t,subnormal", [(1024, 4096, 1, 0.02), (4096, 2048, 33, 0.02), (512, 1024, 9, 1.0),
+                                                 (1024, 4096, 128, 0.02), (1024, 2048, 200, 0.02)])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_dense_linear(n, kdim, t, subnormal, out_dtype):
-    from nvfp4_megamoe.kernels.sm90_nvfp4_linear import sm90_nvfp4_linear
+    from nvfp4_megamoe.kernels.sm90_nvfp4_linear import linear_op, sm90_nvfp4_linear
     gen = torch.Generator(device="cuda").manual_seed(n + t)
     w = random_moe_weights(1, kdim, n // 2, generator=gen, device="cuda", subnormal_fraction=subnormal)
     weight, scale, alpha = w["w13"][0], w["w13_scale"][0], w["w13_alpha"][0, 0].reshape(())
     x = torch.randn(t, kdim, device="cuda", generator=gen).to(torch.bfloat16)
-    out = torch.full((t, n), float("nan"), device="cuda", dtype=out_dtype)
+    out = torch.full((t, n), float("nan"), device="cuda", dtype=out_dtype)  # poisoned: a split call zeroes it first
     sm90_nvfp4_linear(x, weight, scale, alpha, out=out)
     torch.cuda.synchronize()
     ref = nvfp4_linear(x, weight, scale, alpha)
     assert torch.isfinite(out.float()).all()
     assert rel_err(out.float(), ref) <= 1e-2
+    assert (linear_op(n, kdim, t, out_dtype == torch.bfloat16).k_splits > 1) == (out_dtype == torch.float32 and t < 200)
+
+
+@pytest.mark.parametrize("groups,n,kdim,t", [(8, 1024, 4096, 1), (4, 128, 1024, 37), (16, 128, 512, 130)])
+def test_grouped_dense_linear(groups, n, kdim, t):
+    """G linears in one launch: group g's output is x[:, g] @ W[g].T, each group against the float32 reference."""
+    from nvfp4_megamoe.kernels.sm90_nvfp4_linear import sm90_nvfp4_linear
+    from nvfp4_megamoe.kernels.swizzle import swizzled_row_slice
+
+    gen = torch.Generator(device="cuda").manual_seed(groups + t)
+    w = random_moe_weights(1, kdim, groups * n // 2, generator=gen, device="cuda", subnormal_fraction=0.02)
+    weight, scale, alpha = w["w13"][0], w["w13_scale"][0], w["w13_alpha"][0, 0].reshape(())
+    x = torch.randn(t, groups * kdim, device="cuda", generator=gen).to(torch.bfloat16)
+    out = torch.full((t, groups * n), float("nan"), device="cuda")
+    sm90_nvfp4_linear(x, weight, scale, alpha, out=out, out_dtype=torch.float32, groups=groups)
+    torch.cuda.synchronize()
+    for g in range(groups):
+        rows = slice(g * n, (g + 1) * n)
+        ref = nvfp4_linear(x[:, g * kdim:(g + 1) * kdim], weight[rows],
+                           swizzled_row_slice(scale, groups * n, kdim // 16, g * n, (g + 1) * n), alpha)
+        assert torch.isfinite(out[:, rows]).all()
+        assert rel_err(out[:, rows], ref) <= 1e-2, g
 
 
 def test_no_call_compiles_after_warmup():
