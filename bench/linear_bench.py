@@ -51,14 +51,38 @@ def split_choices(n: int, k: int, t: int, groups: int) -> list[int]:
     return [picked] + [s for s in (1, 2, 4, 8, 16, 32) if s != picked and (k // K_TILE) % s == 0]
 
 
-def op_for(n: int, k: int, t: int, groups: int, splits: int):
+def op_for(n: int, k: int, t: int, groups: int, splits: int, row_tiles: int = 1):
+    """The heuristics' kernel for the call with ``splits`` K shares and ``row_tiles`` (2: 128-row CTAs, each
+    activation fragment feeding twice the weight rows)."""
     from nvfp4_megamoe.kernels.sm90_heuristics import fit_depth, linear_config
     from nvfp4_megamoe.kernels.sm90_config import K_TILE
     from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4MmaGemm
 
     config = linear_config(n, k, t, groups=groups)
-    tiling = replace(config.tiling, k_splits=splits, depth=fit_depth(k // K_TILE // splits, 4))
+    tiling = replace(config.tiling, k_splits=splits, row_tiles=row_tiles,
+                     depth=fit_depth(k // K_TILE // splits, 4 if row_tiles == 1 else 2))
     return Sm90Nvfp4MmaGemm(config.problem, tiling)
+
+
+def variants(n: int, k: int, t: int, groups: int, sweep: bool) -> list[tuple[int, int]]:
+    """(K splits, row tiles) to time: the picked one first; with ``sweep`` every split, and from 32 tokens 128-row
+    CTAs at the picked split and half of it."""
+    from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4MmaGemm
+
+    splits = split_choices(n, k, t, groups)
+    if not sweep:
+        return [(splits[0], 1)]
+    found = [(s, 1) for s in splits]
+    if t >= 32:
+        for s in {splits[0], max(1, splits[0] // 2)}:
+            op = op_for(n, k, t, groups, s)
+            if Sm90Nvfp4MmaGemm.can_implement(op.problem, replace(op.tiling, row_tiles=2, depth=1)):
+                found.append((s, 2))
+    return found
+
+
+def label(splits: int, row_tiles: int) -> str:
+    return f"splits{splits}" + ("" if row_tiles == 1 else "_rt2")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,22 +115,21 @@ def main(argv: list[str] | None = None) -> None:
         for t in TOKENS:
             x = torch.randn(t, groups * k, device="cuda", generator=gen).to(torch.bfloat16)
             out = torch.empty(t, groups * n, device="cuda")
-            splits = split_choices(n, k, t, groups) if args.sweep else split_choices(n, k, t, groups)[:1]
-            cases.append((name, n, k, groups, t, w, sc, alpha, wbf, x, out, splits))
+            cases.append((name, n, k, groups, t, w, sc, alpha, wbf, x, out, variants(n, k, t, groups, args.sweep)))
     # every configuration compiled up front, in parallel processes
     with cute_host.collecting() as jobs:
-        for name, n, k, groups, t, w, sc, alpha, wbf, x, out, splits in cases:
-            for s in splits:
-                cute_host.compile_op(op_for(n, k, t, groups, s), lin._operands(x, w[0], sc[0], alpha, out))
+        for name, n, k, groups, t, w, sc, alpha, wbf, x, out, found in cases:
+            for s, rt in found:
+                cute_host.compile_op(op_for(n, k, t, groups, s, rt), lin._operands(x, w[0], sc[0], alpha, out))
     print(f"compiled {cute_host.compile_all(jobs)} kernels")
 
     rows = []
-    for name, n, k, groups, t, w, sc, alpha, wbf, x, out, splits in cases:
+    for name, n, k, groups, t, w, sc, alpha, wbf, x, out, found in cases:
         nbytes = groups * (n * k // 2 + swizzled_nbytes(n, k // 16)) + x.numel() * 2 + out.numel() * 4
         row = dict(name=name, n=n, k=k, groups=groups, tokens=t, floor_us=nbytes / copy_bw * 1e6,
-                   picked_splits=splits[0])
-        for s in splits:
-            op = op_for(n, k, t, groups, s)
+                   picked_splits=found[0][0])
+        for s, rt in found:
+            op = op_for(n, k, t, groups, s, rt)
             chain = [lin._operands(x, w[i], sc[i], alpha, out) for i in range(args.chain)]
 
             def run(op=op, chain=chain):
@@ -114,17 +137,17 @@ def main(argv: list[str] | None = None) -> None:
                     if op.k_splits > 1:
                         out.zero_()
                     cute_host.launch(op, ops)
-            time_into(row, f"splits{s}", run, timer, args.reps)
+            time_into(row, label(s, rt), run, timer, args.reps)
         xs = x.view(t, groups, k).transpose(0, 1)
         time_into(row, "torch_bf16", lambda: [torch.bmm(xs, wb.view(groups, n, k).transpose(1, 2)) for wb in wbf],
                   timer, args.reps)
         for key in [key for key in row if key.endswith("_us") and key != "floor_us"]:
             row[key] /= args.chain
         rows.append(row)
-        best = min((row[f"splits{s}_us"], s) for s in splits if f"splits{s}_us" in row)
-        picked = row.get(f"splits{splits[0]}_us", float("nan"))
-        print(f"{name:13s} N={n:6d} K={k:5d} G={groups:2d} T={t:4d}: picked s={splits[0]:2d} {picked:7.1f} us "
-              f"({row['floor_us'] / picked:5.1%} of floor {row['floor_us']:.1f} us); best s={best[1]:2d} {best[0]:7.1f};"
+        best = min((row[f"{label(*v)}_us"], label(*v)) for v in found if f"{label(*v)}_us" in row)
+        picked = row.get(f"{label(*found[0])}_us", float("nan"))
+        print(f"{name:13s} N={n:6d} K={k:5d} G={groups:2d} T={t:4d}: picked s={found[0][0]:2d} {picked:7.1f} us "
+              f"({row['floor_us'] / picked:5.1%} of floor {row['floor_us']:.1f} us); best {best[1]} {best[0]:7.1f};"
               f" torch bf16 {row.get('torch_bf16_us', float('nan')):7.1f} us")
     for t in TOKENS:
         sel = [r for r in rows if r["tokens"] == t]

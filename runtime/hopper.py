@@ -18,6 +18,9 @@ the PyTorch references everywhere else.
   weight (``can_implement``; ``wo_a``: 128-row groups, so each group's scales are whole swizzle atoms); FP8 and
   BF16 linears stay on the reference.
 * RMSNorm: the reference's float32 formula as one ``F.rms_norm`` launch, each weight's float32 copy made once.
+* BF16 dense linears: small ones (compressor, router, indexer ``weights_proj``) against a float32 copy made once, the
+  head in BF16 with float32 accumulation and out; the compressors' softmax over the window's slots as a last-axis
+  softmax.
 
 Each op asks its kernel's ``can_implement`` and runs the reference where the answer is no: this module is the
 one place that chooses between a kernel and the reference.
@@ -34,12 +37,16 @@ import torch
 import torch.nn.functional as F
 
 from .backend import ReferenceBackend
-from .weights import Linear, MoEWeights, Nvfp4Linear
+from .weights import DenseLinear, Linear, MoEWeights, Nvfp4Linear
 
 # Largest token count one MoE kernel call takes; longer inputs are processed in chunks of it.
 MAX_MOE_TOKENS = 4096
 # Token counts whose kernels the warm-up compiles (decode tile, mid tiles, the WGMMA prefill path).
 WARMUP_TOKENS = (1, 16, 256)
+# BF16 dense weights (compressor, router gate, indexer weights_proj) up to this size have a float32 copy made once, as
+# the reference computes; larger ones (the head) run BF16 x BF16 with float32 out rather than write a float32 copy of
+# themselves at every call (2x their bytes, the largest share of a small decode step before).
+F32_COPY_MAX_BYTES = 32 << 20
 
 
 def hopper_available(device: str | torch.device) -> bool:
@@ -90,6 +97,8 @@ class HopperBackend(ReferenceBackend):
     def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
         from nvfp4_megamoe.kernels.sm90_nvfp4_linear import sm90_nvfp4_linear
 
+        if isinstance(w, DenseLinear) and x.is_cuda and w.weight.dtype == torch.bfloat16:
+            return self._bf16_linear(x, w.weight)
         if not (isinstance(w, Nvfp4Linear) and x.is_cuda and x.numel()):
             return super().linear(x, w)
         n, k = w.weight.shape[0], 2 * w.weight.shape[1]
@@ -99,6 +108,14 @@ class HopperBackend(ReferenceBackend):
         out = sm90_nvfp4_linear(xb, w.weight, w.weight_scale, w.alpha, out_dtype=torch.float32)
         self.kernel_calls["linear"] += 1
         return out.view(*x.shape[:-1], n)
+
+    def _bf16_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A BF16 dense weight: the reference's float32 product with the weight's float32 copy made once, or past
+        ``F32_COPY_MAX_BYTES`` x rounded to BF16 and float32 accumulation and out (cuBLAS)."""
+        if weight.numel() * 4 <= F32_COPY_MAX_BYTES:
+            return x.float() @ self._f32(weight).T
+        out = torch.mm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), weight.T, out_dtype=torch.float32)
+        return out.view(*x.shape[:-1], weight.shape[0])
 
     def grouped_linear(self, x: torch.Tensor, w: Linear, groups: int) -> torch.Tensor:
         from nvfp4_megamoe.kernels.sm90_nvfp4_linear import sm90_nvfp4_linear
@@ -155,6 +172,15 @@ class HopperBackend(ReferenceBackend):
             layer(xb[s:e], local_ids[s:e], local_w[s:e], **args, out=out[s:e])
         self.kernel_calls["moe"] += 1
         return out
+
+    # -- compressor ------------------------------------------------------------------------------------------------
+    def compress_windows(self, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, *, overlap: bool,
+                         prev: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The reference's pooling, with its softmax over the slot axis taken as the last axis of the transposed
+        gates on CUDA: torch's softmax over a middle axis took 25 us for one decode window of flash-layer."""
+        from nvfp4_megamoe.kernels.compressor_reference import compress_windows
+
+        return compress_windows(kv, gate, ape, overlap=overlap, prev=prev, slot_softmax_last=kv.is_cuda)
 
     # -- RMSNorm --------------------------------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

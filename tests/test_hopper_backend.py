@@ -56,3 +56,22 @@ def test_a_rank_with_part_of_the_experts_keeps_the_routing_kernel(recorder):
     # row-tiled weights (--target sm90): a layer of its own that reads them so
     tiled = be._moe_layer(_experts(4, 4, row_tiles=True), top_k=2, swiglu_limit=10.0, device=torch.device("cpu"))
     assert tiled is not whole and tiled.shape.weight_tiles and not whole.shape.weight_tiles
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_slot_softmax_on_the_last_axis_pools_as_the_reference(overlap):
+    """The compressor's softmax over a window's slots, taken on the last axis of the transposed gates (the GPU
+    backend's form), gives the reference's pooled entries and carried half-window; -inf gates (no previous window)
+    included."""
+    from nvfp4_megamoe.kernels.compressor_reference import compress_windows
+
+    gen = torch.Generator().manual_seed(3)
+    b, n, ratio, c = 2, 3, 4, 16
+    kv, gate = torch.randn(b, n, ratio, c, generator=gen), 4 * torch.randn(b, n, ratio, c, generator=gen)
+    ape = torch.randn(ratio, c, generator=gen)
+    ref, ref_last = compress_windows(kv, gate, ape, overlap=overlap)
+    got, got_last = compress_windows(kv, gate, ape, overlap=overlap, slot_softmax_last=True)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    if overlap:
+        assert all(torch.equal(g, r) for g, r in zip(got_last, ref_last))

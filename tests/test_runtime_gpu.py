@@ -362,3 +362,21 @@ def test_rms_norm_on_the_gpu_matches_the_reference():
         assert got.dtype == torch.float32 and torch.isfinite(got).all()
         assert rel_err(got, ref.rms_norm(x, weight, 1e-6)) < 1e-6
     assert be._f32(w) is be._f32(w) and be._f32(w).dtype == torch.float32
+
+
+def test_bf16_dense_linears_on_the_gpu_match_the_reference():
+    """BF16 dense weights: a small one (compressor-sized) against its float32 copy made once, to float32 rounding;
+    one past ``F32_COPY_MAX_BYTES`` (head-sized) in BF16 with float32 out, to BF16 rounding of x; random data."""
+    from nvfp4_megamoe.runtime.hopper import F32_COPY_MAX_BYTES
+    from nvfp4_megamoe.runtime.weights import DenseLinear
+
+    be, ref = HopperBackend(), ReferenceBackend()
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(3, 2, 4096, device="cuda", generator=gen)
+    small = DenseLinear(torch.randn(1024, 4096, device="cuda", generator=gen).bfloat16())
+    large = DenseLinear(torch.randn(F32_COPY_MAX_BYTES // (4 * 4096) + 64, 4096, device="cuda", generator=gen).bfloat16())
+    for w, tol in ((small, 1e-6), (large, 1e-2)):
+        got = be.linear(x, w)
+        assert got.dtype == torch.float32 and got.shape == (3, 2, w.weight.shape[0]) and torch.isfinite(got).all()
+        assert rel_err(got, ref.linear(x, w)) < tol
+    assert be._f32(small.weight) is be._f32(small.weight) and id(large.weight) not in be._f32_weights
