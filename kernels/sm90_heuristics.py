@@ -17,6 +17,7 @@ INTERLEAVE_MAX_TOKENS = 4                 # calls up to this many tokens interle
 LINEAR_SPLIT_CTAS = 256                   # dense linears split K until their CTAs reach this many ...
 LINEAR_SPLIT_CTAS_8 = 1024                # ... this many with 8-token tiles (few partial sums to add) ...
 LINEAR_SPLIT_MAX_TILES = 2                # ... while they have at most this many token tiles
+LINEAR_TWO_ROW_TILES_TOKENS = 32          # dense linears' token tile that runs 128-row CTAs (x fragments reused 2x)
 DIRECT_ONE_ROW_TILE_CTAS = 3              # direct calls with one row tile: CTAs per SM at most (PDL spread)
 WGMMA_WIDE_HIDDEN = 7168                  # layers this wide run two-warpgroup WGMMA CTAs from N = 64 ...
 WGMMA_TWO_GROUPS_MAX_TOKENS = 80          # ... with two m64 row groups a warpgroup up to this N
@@ -89,13 +90,15 @@ def pick_k_splits(ctas: int, k_tiles: int, token_tiles: int, tile_tokens: int) -
 
 def linear_config(n: int, k: int, tokens: int, out_bf16: bool = False, groups: int = 1) -> GemmConfig:
     """The dense NVFP4 linear for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K]: the mma.sync kernel
-    (``"store"``), the smallest token tile of 8..64 that holds the rows, K split per :func:`pick_k_splits` (float32
-    out only: the shares are summed in ``out``)."""
+    (``"store"``), the smallest token tile of 8..64 that holds the rows, K split per :func:`pick_k_splits` over the
+    64-row CTAs (float32 out only: the shares are summed in ``out``); 32-token tiles in 128-row CTAs
+    (``LINEAR_TWO_ROW_TILES_TOKENS``) where N allows, at the same split."""
     problem = GemmProblem(m=n, k=k, mode="store", out_bf16=out_bf16, groups=groups)
     bn = smallest_tile(tokens, TILE_TOKEN_CHOICES)
     tiles = -(-tokens // bn)
     splits = 1 if out_bf16 else pick_k_splits(n // 64 * groups * tiles, k // K_TILE, tiles, bn)
-    return GemmConfig(problem, mma_tiling(problem, bn, k_splits=splits))
+    row_tiles = 2 if bn == LINEAR_TWO_ROW_TILES_TOKENS and n % 128 == 0 else 1
+    return GemmConfig(problem, mma_tiling(problem, bn, row_tiles, k_splits=splits))
 
 
 def linear_token_counts() -> tuple[int, ...]:

@@ -84,6 +84,8 @@ def test_dense_linear_compiles_sm90a(out_dtype):
     if out_dtype == torch.float32:
         splits = [sm90_nvfp4_linear.linear_op(1024, 4096, t).k_splits for t in (1, 8, 9, 64, 65, 128, 129, 5000)]
         assert splits == [32, 32, 16, 16, 8, 8, 1, 1]
+    # 128-row CTAs for the 32-token tile alone
+    assert [sm90_nvfp4_linear.linear_op(1024, 4096, t).row_tiles for t in (8, 16, 32, 64)] == [1, 1, 2, 1]
     assert sm90_nvfp4_linear.can_implement(1024, 4096) and not sm90_nvfp4_linear.can_implement(96, 256)
     with pytest.raises(ValueError, match="multiple"):  # the backend asks can_implement and keeps the reference
         sm90_nvfp4_linear.warmup(96, 256, "cpu")

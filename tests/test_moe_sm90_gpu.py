@@ -256,9 +256,10 @@ def test_staged_order_kernel_equals_to_order(t, kdim):
     assert out[t].isnan().all()
 
 
-# (N, K, T): float32 out splits K (32, 4, 8, 8 and 1 shares: 2 token tiles at T = 128, 4 at T = 200), bf16 does not
+# (N, K, T): float32 out splits K (32, 4, 8, 8, 1 and 4 shares: 2 token tiles at T = 128, 4 at T = 200), bf16 does not
 @pytest.mark.parametrize("n,kdim,t,subnormal", [(1024, 4096, 1, 0.02), (4096, 2048, 33, 0.02), (512, 1024, 9, 1.0),
-                                                 (1024, 4096, 128, 0.02), (1024, 2048, 200, 0.02)])
+                                                 (1024, 4096, 128, 0.02), (1024, 2048, 200, 0.02),
+                                                 (4096, 1024, 27, 0.02)])   # 27: 128-row CTAs
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_dense_linear(n, kdim, t, subnormal, out_dtype):
     from nvfp4_megamoe.kernels.sm90_nvfp4_linear import linear_op, sm90_nvfp4_linear
