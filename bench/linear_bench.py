@@ -51,7 +51,7 @@ def split_choices(n: int, k: int, t: int, groups: int) -> list[int]:
     return [picked] + [s for s in (1, 2, 4, 8, 16, 32) if s != picked and (k // K_TILE) % s == 0]
 
 
-def op_for(n: int, k: int, t: int, groups: int, splits: int, row_tiles: int = 1):
+def op_for(n: int, k: int, t: int, groups: int, splits: int, row_tiles: int):
     """The heuristics' kernel for the call with ``splits`` K shares and ``row_tiles`` (2: 128-row CTAs, each
     activation fragment feeding twice the weight rows)."""
     from nvfp4_megamoe.kernels.sm90_heuristics import fit_depth, linear_config
@@ -65,20 +65,21 @@ def op_for(n: int, k: int, t: int, groups: int, splits: int, row_tiles: int = 1)
 
 
 def variants(n: int, k: int, t: int, groups: int, sweep: bool) -> list[tuple[int, int]]:
-    """(K splits, row tiles) to time: the picked one first; with ``sweep`` every split, and from 32 tokens 128-row
-    CTAs at the picked split and half of it."""
+    """(K splits, row tiles) to time: the heuristics' pick first; with ``sweep`` every split at one row tile, and
+    from 32 tokens two row tiles (128-row CTAs) at the picked split and half of it."""
+    from nvfp4_megamoe.kernels.sm90_heuristics import linear_config
     from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4MmaGemm
 
-    splits = split_choices(n, k, t, groups)
-    if not sweep:
-        return [(splits[0], 1)]
-    found = [(s, 1) for s in splits]
-    if t >= 32:
-        for s in {splits[0], max(1, splits[0] // 2)}:
-            op = op_for(n, k, t, groups, s)
-            if Sm90Nvfp4MmaGemm.can_implement(op.problem, replace(op.tiling, row_tiles=2, depth=1)):
-                found.append((s, 2))
-    return found
+    picked = linear_config(n, k, t, groups=groups).tiling
+    found = [(picked.k_splits, picked.row_tiles)]
+    if sweep:
+        found += [(s, 1) for s in split_choices(n, k, t, groups)]
+        if t >= 32:
+            for s in (picked.k_splits, max(1, picked.k_splits // 2)):
+                op = op_for(n, k, t, groups, s, 1)
+                if Sm90Nvfp4MmaGemm.can_implement(op.problem, replace(op.tiling, row_tiles=2, depth=1)):
+                    found.append((s, 2))
+    return list(dict.fromkeys(found))
 
 
 def label(splits: int, row_tiles: int) -> str:
