@@ -3,8 +3,9 @@
 :class:`Checkpoint` trusts the converter's layout (no conversion happens at load) but checks what
 it relies on: the manifest's format and version, that every shard the index names exists and
 carries the format-1 header metadata, and (optionally) the shards' sha256 against the manifest.
-Tensors are read with ``safe_open(...).get_slice`` so that a caller asking for a range of
-experts gets only those rows' bytes; :attr:`Checkpoint.bytes_read` counts what was materialised.
+A shard is opened with ``safe_open`` (which checks its header against the file) and its tensors are read by byte
+range in parallel threads (``shard_reader``), so that a caller asking for a range of experts gets only those rows'
+bytes; :attr:`Checkpoint.bytes_read` counts what was materialised.
 
 What the folder says is input: the index and manifest are read strictly (``input_files``), every
 shard file they name must be a format-1 shard name (so no path leads outside the folder) and a
@@ -23,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from nvfp4_megamoe.errors import shown
 from nvfp4_megamoe.input_files import file_kind, not_regular, open_regular, read_json_object
 
+from .shard_reader import ShardReader
 from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, FormatError, check_shard_name, read_manifest
 
 
@@ -51,6 +53,7 @@ class Checkpoint:
         if verify_hashes:
             self.verify_hashes()
         self._handles: dict[str, object] = {}
+        self._readers: dict[str, ShardReader] = {}
         self.bytes_read = 0
 
     # -- shard access -------------------------------------------------------------------------
@@ -72,6 +75,7 @@ class Checkpoint:
                 raise FormatError(f"{self.path / shard}: holds no tensor {shown(absent[0])!r}, which {INDEX_FILE} maps "
                                   f"to it ({len(absent)} such); the index and the shard disagree: convert again.",
                                   path=self.path / shard, tensor=absent[0])
+            self._readers[shard] = ShardReader(self.path / shard)
             self._handles[shard] = handle
         return handle
 
@@ -95,15 +99,15 @@ class Checkpoint:
 
     def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Tensor ``name`` (or only rows ``[start, stop)`` of its first dimension), as stored."""
-        view = self._open(self._shard_of(name)).get_slice(name)
-        if rows is None:
-            tensor = view[:] if view.get_shape() else self._open(self._shard_of(name)).get_tensor(name)
-        else:
+        shard = self._shard_of(name)
+        view = self._open(shard).get_slice(name)
+        if rows is not None:
             start, stop = rows
-            n = view.get_shape()[0]
+            shape = view.get_shape()
+            n = shape[0] if shape else 0
             if not (0 <= start <= stop <= n):
                 raise ValueError(f"{name}: rows [{start}, {stop}) outside its first dimension of {n}")
-            tensor = view[start:stop]
+        tensor = self._readers[shard].read(name, rows)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 

@@ -179,6 +179,8 @@ class WeightLoader:
     def tensor(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self.ckpt.read(name, rows).to(self.device)
 
+    # the value checks below run on the host copy, before it moves: on a GPU each would wait for the device
+
     def check(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> None:
         """Refuse ``name`` unless it is stored as one of ``dtypes`` with exactly ``shape``."""
         dtype, got = self.ckpt.dtype(name), tuple(self.ckpt.shape(name))
@@ -191,22 +193,22 @@ class WeightLoader:
         """A tensor stored as it is in the source (norms, mHC, sinks, compressors, router, embedding, head)."""
         spec = self.expected.tensors[name]
         self.check(name, spec.dtypes, spec.shape)
-        t = self.tensor(name)
+        t = self.ckpt.read(name)
         if spec.index_limit is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= spec.index_limit):
             raise FormatError(f"{self.ckpt.path}: {shown(name)} holds expert indices outside [0, {spec.index_limit}) "
                               f"(min {int(t.min())}, max {int(t.max())}); convert the source again.",
                               path=self.ckpt.path, tensor=name)
-        return t
+        return t.to(self.device)
 
     def alphas(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """An NVFP4 global scale tensor, float32, every value finite and positive."""
-        a = self.tensor(name, rows).float()
+        a = self.ckpt.read(name, rows).float()
         bad = ~(torch.isfinite(a) & (a > 0))
         if bool(bad.any()):
             raise FormatError(f"{self.ckpt.path}: {shown(name)} holds {int(bad.sum())} alphas that are not finite and "
                               f"positive (first {a.reshape(-1)[bad.reshape(-1)][0].item()!r}); the checkpoint is "
                               "corrupt: convert the source again.", path=self.ckpt.path, tensor=name)
-        return a
+        return a.to(self.device)
 
     def linear(self, prefix: str, shape: tuple[int, int] | None = None) -> Linear:
         """Linear ``prefix`` of logical ``shape`` [out, in] (the table's when None), in whichever form it is stored."""

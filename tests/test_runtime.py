@@ -203,41 +203,19 @@ def test_chunked_prefill_matches_prefill(checkpoints, variant):
 # -- loading -------------------------------------------------------------------------------------------
 
 class ReadCounter:
-    """Wraps ``safe_open`` in the runtime's checkpoint module; sums bytes of every tensor read."""
+    """Wraps the shard reader of the runtime's checkpoint module; sums the bytes of every tensor read from a file."""
 
     def __init__(self, monkeypatch):
         self.by_name: dict[str, int] = {}
-        real = checkpoint_module.safe_open
         counter = self
 
-        class Slice:
-            def __init__(self, name, inner):
-                self.name, self.inner = name, inner
-
-            def __getitem__(self, index):
-                t = self.inner[index]
-                counter.by_name[self.name] = counter.by_name.get(self.name, 0) + t.numel() * t.element_size()
-                return t
-
-            def __getattr__(self, attr):
-                return getattr(self.inner, attr)
-
-        class Handle:
-            def __init__(self, *args, **kwargs):
-                self.inner = real(*args, **kwargs)
-
-            def get_slice(self, name):
-                return Slice(name, self.inner.get_slice(name))
-
-            def get_tensor(self, name):
-                t = self.inner.get_tensor(name)
+        class Counting(checkpoint_module.ShardReader):
+            def read(self, name, rows=None):
+                t = super().read(name, rows)
                 counter.by_name[name] = counter.by_name.get(name, 0) + t.numel() * t.element_size()
                 return t
 
-            def __getattr__(self, attr):
-                return getattr(self.inner, attr)
-
-        monkeypatch.setattr(checkpoint_module, "safe_open", Handle)
+        monkeypatch.setattr(checkpoint_module, "ShardReader", Counting)
 
 
 def _nbytes(out, names) -> dict[str, int]:
