@@ -3,10 +3,8 @@
 :class:`Checkpoint` trusts the converter's layout (no conversion happens at load) but checks what
 it relies on: the manifest's format and version, that every shard the index names exists and
 carries the format-1 header metadata, and (optionally) the shards' sha256 against the manifest.
-A shard is opened with ``safe_open`` (which checks its header against the file). A tensor is read as a view of
-the shard's memory map (what stays on the CPU: the page cache serves it, nothing is copied), or, for a tensor bound
-for a GPU, copied by byte range in parallel threads (``shard_reader``); either way a caller asking for a range of
-experts gets only those rows' bytes, and :attr:`Checkpoint.bytes_read` counts what was materialised.
+Tensors are read with ``safe_open(...).get_slice`` so that a caller asking for a range of
+experts gets only those rows' bytes; :attr:`Checkpoint.bytes_read` counts what was materialised.
 
 What the folder says is input: the index and manifest are read strictly (``input_files``), every
 shard file they name must be a format-1 shard name (so no path leads outside the folder) and a
@@ -25,7 +23,6 @@ from safetensors import SafetensorError, safe_open
 from nvfp4_megamoe.errors import shown
 from nvfp4_megamoe.input_files import file_kind, not_regular, open_regular, read_json_object
 
-from .shard_reader import ShardReader
 from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, FormatError, check_shard_name, read_manifest
 
 
@@ -54,7 +51,6 @@ class Checkpoint:
         if verify_hashes:
             self.verify_hashes()
         self._handles: dict[str, object] = {}
-        self._readers: dict[str, ShardReader] = {}
         self.bytes_read = 0
 
     # -- shard access -------------------------------------------------------------------------
@@ -76,7 +72,6 @@ class Checkpoint:
                 raise FormatError(f"{self.path / shard}: holds no tensor {shown(absent[0])!r}, which {INDEX_FILE} maps "
                                   f"to it ({len(absent)} such); the index and the shard disagree: convert again.",
                                   path=self.path / shard, tensor=absent[0])
-            self._readers[shard] = ShardReader(self.path / shard)
             self._handles[shard] = handle
         return handle
 
@@ -98,24 +93,17 @@ class Checkpoint:
     def dtype(self, name: str) -> str:
         return self._open(self._shard_of(name)).get_slice(name).get_dtype()
 
-    def read(self, name: str, rows: tuple[int, int] | None = None, *, copy: bool = False) -> torch.Tensor:
-        """Tensor ``name`` (or only rows ``[start, stop)`` of its first dimension), as stored: a view of the shard's
-        memory map, or with ``copy`` a tensor of its own read in parallel (faster to move to a GPU: the copy to the
-        device then reads memory already in place, not the page cache one page fault at a time)."""
-        shard = self._shard_of(name)
-        view = self._open(shard).get_slice(name)
-        shape = view.get_shape()
-        if rows is not None:
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``name`` (or only rows ``[start, stop)`` of its first dimension), as stored."""
+        view = self._open(self._shard_of(name)).get_slice(name)
+        if rows is None:
+            tensor = view[:] if view.get_shape() else self._open(self._shard_of(name)).get_tensor(name)
+        else:
             start, stop = rows
-            n = shape[0] if shape else 0
+            n = view.get_shape()[0]
             if not (0 <= start <= stop <= n):
                 raise ValueError(f"{name}: rows [{start}, {stop}) outside its first dimension of {n}")
-        if copy:
-            tensor = self._readers[shard].read(name, rows)
-        elif rows is not None:
-            tensor = view[rows[0]:rows[1]]
-        else:
-            tensor = view[:] if shape else self._open(shard).get_tensor(name)
+            tensor = view[start:stop]
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 

@@ -177,13 +177,9 @@ class WeightLoader:
         self.expected = model_tensors(config)
 
     def tensor(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        return self._host(name, rows).to(self.device)
+        return self.ckpt.read(name, rows).to(self.device)
 
-    def _host(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        # on the CPU the memory map's view is the tensor; bound for a GPU, a copy read in parallel threads
-        return self.ckpt.read(name, rows, copy=self.device.type != "cpu")
-
-    # the value checks below run on the host copy, before it moves: on a GPU each would wait for the device
+    # the value checks below run on the tensor as read, before it moves: on a GPU each would wait for the device
 
     def check(self, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> None:
         """Refuse ``name`` unless it is stored as one of ``dtypes`` with exactly ``shape``."""
@@ -197,7 +193,7 @@ class WeightLoader:
         """A tensor stored as it is in the source (norms, mHC, sinks, compressors, router, embedding, head)."""
         spec = self.expected.tensors[name]
         self.check(name, spec.dtypes, spec.shape)
-        t = self._host(name)
+        t = self.ckpt.read(name)
         if spec.index_limit is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= spec.index_limit):
             raise FormatError(f"{self.ckpt.path}: {shown(name)} holds expert indices outside [0, {spec.index_limit}) "
                               f"(min {int(t.min())}, max {int(t.max())}); convert the source again.",
@@ -206,7 +202,7 @@ class WeightLoader:
 
     def alphas(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """An NVFP4 global scale tensor, float32, every value finite and positive."""
-        a = self._host(name, rows).float()
+        a = self.ckpt.read(name, rows).float()
         bad = ~(torch.isfinite(a) & (a > 0))
         if bool(bad.any()):
             raise FormatError(f"{self.ckpt.path}: {shown(name)} holds {int(bad.sum())} alphas that are not finite and "
