@@ -4,9 +4,12 @@ For a converted checkpoint on the GPU (``load_model(device="cuda")``): a state o
 filled as ``e2e_bench.py`` fills it (random entries, slots at staggered positions), three warm steps, then
 ``--steps`` eager steps (``model.decode_graphs = None``: the same kernels a graph replays, one launch each) under
 ``torch.profiler``; per batch, the kernels' GPU microseconds a step and launches a step, summed by kernel name,
-largest first. The sum is the step's GPU time without the host (a graph replay's, up to launch gaps).
+largest first. The sum is the step's GPU time without the host (a graph replay's, up to launch gaps). With
+``--by-op``, the same time summed by the torch op (and its input shapes) that launched it instead: which line of the
+model a kernel name stands for (CuTeDSL kernels appear under the op that called them, or none).
 
     python bench/decode_profile.py --checkpoint /tmp/flash-layer-sm90 --batches 1 32
+    python bench/decode_profile.py --checkpoint /tmp/flash-layer-sm90 --batches 1 --by-op
 """
 
 from __future__ import annotations
@@ -40,13 +43,38 @@ def profile_step(model, batch: int, context: int, steps: int, gen: torch.Generat
     return {name: (us, n) for name, (us, n) in total.items()}
 
 
+def ops_table(averages, steps: int, time_attr: str = "self_device_time_total") -> list[tuple[str, str, float, float]]:
+    """(op, its input shapes, us a step, calls a step) from ``key_averages(group_by_input_shape=True)``, by the time
+    the op itself took (``time_attr``: its own kernels, not those of ops it called), largest first; ops without
+    any left out."""
+    rows = [(a.key, str(a.input_shapes)[:80], getattr(a, time_attr) / steps, a.count / steps) for a in averages]
+    return sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
+
+
+def profile_ops(model, batch: int, context: int, steps: int, gen: torch.Generator) -> list[tuple[str, str, float, float]]:
+    """:func:`ops_table` of ``steps`` eager steps at ``batch`` (state filled as :func:`profile_step` fills it)."""
+    state = model.new_state(batch, context + 3 + steps)
+    fill_state(state, context, gen)
+    toks = torch.randint(0, model.config.vocab_size, (3 + steps, batch), device="cuda", generator=gen)
+    for i in range(3):
+        model.step(toks[i], state)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        for i in range(3, 3 + steps):
+            model.step(toks[i], state)
+        torch.cuda.synchronize()
+    return ops_table(prof.key_averages(group_by_input_shape=True), steps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, required=True, help="a converted checkpoint folder")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--top", type=int, default=30, help="kernel names printed per batch")
+    ap.add_argument("--top", type=int, default=30, help="kernel names (ops) printed per batch")
+    ap.add_argument("--by-op", action="store_true", help="sum the GPU time by the torch op and shapes that launched it")
     args = ap.parse_args()
     from nvfp4_megamoe.runtime import load_model
 
@@ -54,6 +82,12 @@ def main() -> None:
     model.decode_graphs = None
     gen = torch.Generator(device="cuda").manual_seed(0)
     for batch in args.batches:
+        if args.by_op:
+            ops = profile_ops(model, batch, args.context, args.steps, gen)
+            print(f"\nB={batch}, context {args.context}: {sum(r[2] for r in ops):.0f} us of kernels a step, by op")
+            for op, shapes, t, n in ops[:args.top]:
+                print(f"{t:9.1f} us {n:5.0f}x  {op[:40]:40s} {shapes}")
+            continue
         rows = profile_step(model, batch, args.context, args.steps, gen)
         us, launches = sum(v[0] for v in rows.values()), sum(v[1] for v in rows.values())
         print(f"\nB={batch}, context {args.context}: {us:.0f} us of kernels a step, {launches:.0f} launches")

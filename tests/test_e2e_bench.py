@@ -65,3 +65,19 @@ def test_floor_bytes_from_the_headers_match_the_loaded_weights(synth_checkpoints
     assert e2e_bench.floor_bytes(sizes, 10_000) == non_expert + experts
     one = e2e_bench.state_read_bytes(config, 1, 4096)
     assert e2e_bench.state_read_bytes(config, 8, 4096) == 8 * one > e2e_bench.state_read_bytes(config, 8, 1024)
+
+
+def test_decode_profile_ops_table_sums_each_op_by_its_shapes():
+    """``decode_profile.py --by-op``'s table, from a CPU profile (its own time per op and shapes, per step)."""
+    import decode_profile
+
+    a, b = torch.randn(64, 64), torch.randn(8, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(2):
+            a @ a
+            b @ b
+            b @ b
+    rows = decode_profile.ops_table(prof.key_averages(group_by_input_shape=True), 2, "self_cpu_time_total")
+    mm = {shapes: calls for op, shapes, us, calls in rows if op == "aten::mm"}
+    assert mm == {str([[64, 64], [64, 64]]): 1.0, str([[8, 8], [8, 8]]): 2.0}
+    assert all(us > 0 for _, _, us, _ in rows) and [r[2] for r in rows] == sorted((r[2] for r in rows), reverse=True)
