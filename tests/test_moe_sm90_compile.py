@@ -246,3 +246,36 @@ def test_register_e2m1_decode_is_exact_for_every_code_in_every_slot():
             got = (half << 16).to(torch.int32).view(torch.float32).double() * 2.0 ** 126
             want = decode_e2m1(((words >> (4 * nibble)) & 0xF).to(torch.uint8)).double()
             assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
+def test_every_dense_linear_configuration_is_valid():
+    """For every dense NVFP4 linear of V4-Flash and V4-Pro (their ``flash-layer`` / ``pro-layer`` shapes) and every
+    token count a decode batch or a prefill chunk has, the heuristics' configuration is one the kernel takes; the
+    split and 128-row CTAs appear where the rules say."""
+    from nvfp4_megamoe.kernels.sm90_heuristics import linear_config
+    from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4MmaGemm
+
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from linear_bench import dense_shapes
+
+    split = 0
+    for preset in ("flash-layer", "pro-layer"):
+        for name, n, k, groups in dense_shapes(preset):
+            for t in (*range(1, 257), 1024, 4096):
+                tiling = linear_config(n, k, t, groups=groups).tiling
+                assert Sm90Nvfp4MmaGemm.can_implement(linear_config(n, k, t, groups=groups).problem, tiling), (
+                    preset, name, t, tiling)
+                bn, s = tiling.tile_tokens, tiling.k_splits
+                ctas = n * groups // 64 * -(-t // bn)
+                target = heur.LINEAR_SPLIT_CTAS_8 if bn == 8 else heur.LINEAR_SPLIT_CTAS
+                if t > 2 * 64:
+                    assert s == 1, (name, t)
+                else:  # the fewest shares that reach the target, or all that divide K
+                    assert ctas * s >= target or (k // 128) % (2 * s), (name, t, s)
+                    assert s == 1 or ctas * (s // 2) < target, (name, t, s)
+                split += s > 1
+                assert tiling.row_tiles == (2 if bn == 32 and n % 128 == 0 else 1)
+    assert split > 0
