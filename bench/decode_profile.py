@@ -23,18 +23,26 @@ import torch
 from e2e_bench import fill_state
 
 
-def profile_step(model, batch: int, context: int, steps: int, gen: torch.Generator) -> dict[str, tuple[float, float]]:
-    """Kernel name -> (GPU us a step, launches a step) over ``steps`` eager steps at ``batch``."""
+def _profiled_steps(model, batch: int, context: int, steps: int, gen: torch.Generator, activities: list,
+                    **options) -> torch.profiler.profile:
+    """``steps`` eager steps at ``batch`` under ``torch.profiler`` (``activities``, ``options``), after a state of
+    ``context`` tokens a slot is filled and three steps warm it."""
     state = model.new_state(batch, context + 3 + steps)
     fill_state(state, context, gen)
     toks = torch.randint(0, model.config.vocab_size, (3 + steps, batch), device="cuda", generator=gen)
     for i in range(3):
         model.step(toks[i], state)
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=activities, **options) as prof:
         for i in range(3, 3 + steps):
             model.step(toks[i], state)
         torch.cuda.synchronize()
+    return prof
+
+
+def profile_step(model, batch: int, context: int, steps: int, gen: torch.Generator) -> dict[str, tuple[float, float]]:
+    """Kernel name -> (GPU us a step, launches a step) over ``steps`` eager steps at ``batch``."""
+    prof = _profiled_steps(model, batch, context, steps, gen, [torch.profiler.ProfilerActivity.CUDA])
     total: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -52,18 +60,9 @@ def ops_table(averages, steps: int, time_attr: str = "self_device_time_total") -
 
 
 def profile_ops(model, batch: int, context: int, steps: int, gen: torch.Generator) -> list[tuple[str, str, float, float]]:
-    """:func:`ops_table` of ``steps`` eager steps at ``batch`` (state filled as :func:`profile_step` fills it)."""
-    state = model.new_state(batch, context + 3 + steps)
-    fill_state(state, context, gen)
-    toks = torch.randint(0, model.config.vocab_size, (3 + steps, batch), device="cuda", generator=gen)
-    for i in range(3):
-        model.step(toks[i], state)
-    torch.cuda.synchronize()
+    """:func:`ops_table` of ``steps`` eager steps at ``batch`` (the state filled as :func:`profile_step` fills it)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
-        for i in range(3, 3 + steps):
-            model.step(toks[i], state)
-        torch.cuda.synchronize()
+    prof = _profiled_steps(model, batch, context, steps, gen, activities, record_shapes=True)
     return ops_table(prof.key_averages(group_by_input_shape=True), steps)
 
 
