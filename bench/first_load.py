@@ -1,10 +1,11 @@
-"""Where a first ``load_model(path, device="cuda")`` goes: imports, reading the weights, compiling (or loading) the
-kernels, the warm-up forwards.
+"""Where a first ``load_model(path, device="cuda")`` goes: imports, then the phases ``Model.load_seconds`` records
+(starting the kernel compiles from an outline of the weights, reading the weights while they compile, waiting for
+the kernels, the warm-up forwards).
 
 Run it twice in fresh processes with ``NVFP4_MEGAMOE_KERNEL_CACHE`` set to one empty folder: the first run is a
 cold load (every kernel compiled, in one worker process per core), the second a warm one (every kernel read from
-the disk cache). ``compile_all`` is timed by wrapping ``cute_host.compile_all``; the kernels read from disk by
-wrapping ``cute_host._load_cached``; the worker compiles come from ``model.backend.compile_report``.
+the disk cache). The kernels read from disk are counted by wrapping ``cute_host._load_cached``; the worker compiles
+come from ``model.backend.compile_report``.
 
     export NVFP4_MEGAMOE_KERNEL_CACHE=$(mktemp -d)
     python bench/first_load.py /tmp/flash-layer-sm90     # cold
@@ -25,15 +26,8 @@ from e2e_bench import compile_summary  # noqa: E402
 
 def main(path: str) -> None:
     t_imports = time.perf_counter() - T0
-    marks: dict[str, float] = {}
     loads = [0, 0.0]
-    compile_all, load_cached = cute_host.compile_all, cute_host._load_cached
-
-    def timed_compile_all(jobs, processes=None, report=None):
-        marks["start"] = time.perf_counter()
-        n = compile_all(jobs, processes, report)
-        marks["end"] = time.perf_counter()
-        return n
+    load_cached = cute_host._load_cached
 
     def timed_load_cached(where):
         t = time.perf_counter()
@@ -42,15 +36,15 @@ def main(path: str) -> None:
         loads[1] += time.perf_counter() - t
         return fn
 
-    cute_host.compile_all, cute_host._load_cached = timed_compile_all, timed_load_cached
+    cute_host._load_cached = timed_load_cached
     t = time.perf_counter()
     model = load_model(path, device="cuda")
     torch.cuda.synchronize()
-    t_end = time.perf_counter()
+    total = time.perf_counter() - t
     be = model.backend
-    print(f"imports {t_imports:.1f} s; load_model {t_end - t:.1f} s = weights {marks['start'] - t:.1f} s + "
-          f"kernels {marks['end'] - marks['start']:.1f} s (compiled {be.compiled_at_warmup}; {loads[0]} read from "
-          f"disk in {loads[1]:.1f} s) + warm-up forwards {t_end - marks['end']:.1f} s")
+    phases = ", ".join(f"{k} {v:.2f} s" for k, v in model.load_seconds.items() if k != "total")
+    print(f"imports {t_imports:.1f} s; load_model {total:.1f} s = {phases}; {be.compiled_at_warmup} kernels "
+          f"compiled, {loads[0]} read from disk in {loads[1]:.1f} s; weights {model.checkpoint.bytes_read / 1e9:.2f} GB")
     report = be.compile_report
     if report:
         built = compile_summary(report)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection, wait
 from typing import NamedTuple
@@ -37,9 +38,10 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def run_jobs(jobs: list[tuple], processes: int) -> list[Compiled]:
+def run_jobs(jobs: list[tuple], processes: int, stop: threading.Event | None = None) -> list[Compiled]:
     """Compile ``jobs`` (in the order given: put the longest first) in ``processes`` worker processes; each stores
-    its kernels in the disk cache. Returns one :class:`Compiled` per job; a worker that dies fails its job."""
+    its kernels in the disk cache. Returns one :class:`Compiled` per job; a worker that dies fails its job. Once
+    ``stop`` is set no job is handed out (those not started are not in the result)."""
     procs, done = [], []
     queue = list(jobs)
     for _ in range(min(processes, len(jobs))):
@@ -51,6 +53,8 @@ def run_jobs(jobs: list[tuple], processes: int) -> list[Compiled]:
     busy: dict[Connection, tuple] = {}
 
     def hand_out(to: Connection, answers: Connection) -> None:
+        if stop is not None and stop.is_set():
+            queue.clear()
         if queue:
             job = queue.pop(0)
             to.send(job)

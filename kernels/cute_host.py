@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import math
 import os
+import threading
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator
@@ -218,12 +219,63 @@ def _compile_share(jobs: list[tuple[object, list[tuple], tuple[Path, str]]]) -> 
     return len(jobs)
 
 
-def compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | None = None,
-                report: list | None = None) -> int:
-    """Compile every (op, tensors) job not compiled yet: in up to ``processes`` worker processes (default: the CPU
-    cores; :mod:`compile_workers`) when the disk cache is on and more than one job is left, which store the object
-    files that this process then loads; otherwise here, one after the other. Returns how many jobs were compiled
-    (not found cached); ``report``, when given, receives a :class:`compile_workers.Compiled` per worker job."""
+class PendingCompiles:
+    """Kernels compiling in worker processes (:func:`start_compile_all`); :meth:`wait` finishes them."""
+
+    def __init__(self, todo: dict[tuple, tuple], stored: list[tuple], processes: int | None):
+        self._todo, self._done, self._error = todo, [], None
+        self._stop = threading.Event()
+        workers = min(len(stored), processes or os.cpu_count() or 1)
+        self._thread = None
+        if workers > 1:
+            # the longest compiles first, so that no worker is left with a long one at the end
+            order = sorted(stored, key=lambda job: getattr(job[0], "compile_cost", 1), reverse=True)
+            specs = [(op, [_operand_spec(t) for t in tensors], where) for op, tensors, where in order]
+            self._thread = threading.Thread(target=self._run, args=(specs, workers), name="kernel-compiles",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self, specs: list[tuple], workers: int) -> None:
+        from nvfp4_megamoe.kernels.compile_workers import run_jobs
+
+        try:
+            self._done = run_jobs(specs, workers, self._stop)
+        except Exception as exc:  # noqa: BLE001 - no workers (cannot start, a job that does not pickle): compile here
+            self._error = exc
+
+    def cancel(self) -> None:
+        """Hand out no more jobs and wait for those running (each worker then exits); nothing is loaded."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def wait(self, report: list | None = None) -> int:
+        """Wait for the workers, then load what they stored (compiling here whatever they could not); returns how
+        many jobs were compiled (not found cached). ``report`` receives a :class:`compile_workers.Compiled` a job."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self._error is not None:
+                warnings.warn(f"parallel kernel compilation failed ({self._error}); compiling in this process",
+                              stacklevel=2)
+            failed = [c for c in self._done if c.error]
+            if failed:  # their kernels are compiled here, below
+                warnings.warn(f"{len(failed)} of {len(self._done)} kernels failed to compile in worker processes "
+                              f"({failed[0].name}: {failed[0].error}); compiling them in this process", stacklevel=2)
+            if report is not None:
+                report.extend(self._done)
+        for op, tensors, _ in self._todo.values():
+            compile_op(op, tensors)  # from the disk cache where a worker stored it
+        return len(self._todo)
+
+
+def start_compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | None = None) -> PendingCompiles:
+    """Start compiling every (op, tensors) job not compiled yet: in up to ``processes`` worker processes (default: the
+    CPU cores; :mod:`compile_workers`), driven from a thread of this process, when the disk cache is on and more than
+    one job is left (the workers store the object files that :meth:`PendingCompiles.wait` then loads); otherwise
+    ``wait`` compiles them here, one after the other. This process is free meanwhile (``load_model`` reads the
+    weights)."""
     todo: dict[tuple, tuple] = {}
     for op, tensors in jobs:
         key = compile_key(op, tensors)
@@ -232,27 +284,13 @@ def compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | 
         if not cached:
             todo.setdefault(key, (op, tensors, where))
     # a worker's kernel reaches this process through the disk cache: none without one
-    stored = [job for job in todo.values() if job[2] is not None]
-    workers = min(len(stored), processes or os.cpu_count() or 1)
-    if workers > 1:
-        from nvfp4_megamoe.kernels.compile_workers import run_jobs
+    return PendingCompiles(todo, [job for job in todo.values() if job[2] is not None], processes)
 
-        # the longest compiles first, so that no worker is left with a long one at the end
-        order = sorted(stored, key=lambda job: getattr(job[0], "compile_cost", 1), reverse=True)
-        try:
-            done = run_jobs([(op, [_operand_spec(t) for t in tensors], where) for op, tensors, where in order], workers)
-        except Exception as exc:  # noqa: BLE001 - no workers (cannot start, a job that does not pickle): compile here
-            warnings.warn(f"parallel kernel compilation failed ({exc}); compiling in this process", stacklevel=2)
-            done = []
-        failed = [c for c in done if c.error]
-        if failed:  # their kernels are compiled here, below
-            warnings.warn(f"{len(failed)} of {len(done)} kernels failed to compile in worker processes "
-                          f"({failed[0].name}: {failed[0].error}); compiling them in this process", stacklevel=2)
-        if report is not None:
-            report.extend(done)
-    for op, tensors, _ in todo.values():
-        compile_op(op, tensors)  # from the disk cache where a worker stored it
-    return len(todo)
+
+def compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | None = None,
+                report: list | None = None) -> int:
+    """:func:`start_compile_all`, then wait for it: returns how many jobs were compiled (not found cached)."""
+    return start_compile_all(jobs, processes).wait(report)
 
 
 def launch(op, tensors: list[torch.Tensor]) -> None:

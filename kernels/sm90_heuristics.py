@@ -12,6 +12,7 @@ from .sm90_config import ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, GemmC
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)      # mma.sync token tiles
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
 WGMMA_MIN_MEAN = 8.0                      # mean routed pairs per expert from which the WGMMA kernels run
+WGMMA_MIN_WIDTH = 32                      # narrowest MMA width of the WGMMA kernels from N = 64 (widths by 16 to N)
 DIRECT_MAX_TOKENS = 4                     # calls up to this many tokens skip the routing kernel
 INTERLEAVE_MAX_TOKENS = 4                 # calls up to this many tokens interleave two row tiles' MMAs
 LINEAR_SPLIT_CTAS = 256                   # dense linears split K until their CTAs reach this many ...
@@ -111,18 +112,14 @@ def pick_wgmma_tile_tokens(tokens: int, top_k: int, experts: int) -> tuple[int, 
     """Token tile N of the WGMMA kernels and their narrowest MMA width (0: every tile runs N).
 
     Below N = 64: the smallest of 32, 48 that holds 1.25x the mean pairs per expert m. From there on each tile runs
-    the narrowest width (steps of 16) that holds its tokens, so N can hold nearly every expert: m + 3 sqrt(m) (an
-    expert's count under uniform routing spreads by about sqrt(m)), up to 128; the narrowest width is
-    m - 2 sqrt(m) rounded down, at least 32, or 32 where m + 3 sqrt(m) overflows 128."""
+    the narrowest width (steps of 16, from ``WGMMA_MIN_WIDTH``) that holds its tokens, so N can hold nearly every
+    expert: m + 3 sqrt(m) (an expert's count under uniform routing spreads by about sqrt(m)), up to 128. One
+    narrowest width for every N keeps the plans few (one per N, compiled at load)."""
     mean = tokens * top_k / max(experts, 1)
     bn = smallest_tile(1.25 * mean, WGMMA_TILE_TOKENS)
     if bn < 64:
         return bn, 0
-    spread = mean ** 0.5
-    bn = smallest_tile(mean + 3 * spread, WGMMA_TILE_TOKENS)
-    if mean + 3 * spread > bn:
-        return bn, 32
-    return bn, min(bn, max(32, int(mean - 2 * spread) // 16 * 16))
+    return smallest_tile(mean + 3 * mean ** 0.5, WGMMA_TILE_TOKENS), WGMMA_MIN_WIDTH
 
 
 def wgmma_tiling(tile_tokens: int, min_tokens: int, hidden: int, k: int, sms: int) -> WgmmaTiling:
@@ -170,7 +167,7 @@ def moe_plan(shape: MoeShape, tokens: int, sms: int = 132, *, wgmma: bool | None
     if wgmma:
         bn, min_tokens = pick_wgmma_tile_tokens(tokens, k, e)
         if h >= WGMMA_WIDE_HIDDEN and WGMMA_TWO_GROUPS_MAX_TOKENS < bn <= 96:
-            bn, min_tokens = WGMMA_TWO_GROUPS_MAX_TOKENS, min(min_tokens, WGMMA_TWO_GROUPS_MAX_TOKENS)
+            bn = WGMMA_TWO_GROUPS_MAX_TOKENS
         return MoePlan(bn, GemmConfig(l1, wgmma_tiling(bn, min_tokens, h, h, sms)),
                        GemmConfig(l2, wgmma_tiling(bn, min_tokens, h, i, sms)))
     rt = pick_row_tiles(tokens, k, e, 2 * i, sms) if h % 128 == 0 and (2 * i) % 128 == 0 else 1

@@ -4,7 +4,10 @@
 it relies on: the manifest's format and version, that every shard the index names exists and
 carries the format-1 header metadata, and (optionally) the shards' sha256 against the manifest.
 Tensors are read with ``safe_open(...).get_slice`` so that a caller asking for a range of
-experts gets only those rows' bytes; :attr:`Checkpoint.bytes_read` counts what was materialised.
+experts gets only those rows' bytes; :attr:`Checkpoint.bytes_read` counts what was materialised. A tensor bound for
+a GPU is instead located as a byte range of its shard (:meth:`Checkpoint.byte_range`, from the header that
+``safe_open`` accepted), which ``gpu_upload`` reads into pinned memory; :meth:`Checkpoint.empty` makes a tensor of
+a stored tensor's dtype and shape without reading it (the meta-device outline the kernel compiles start from).
 
 What the folder says is input: the index and manifest are read strictly (``input_files``), every
 shard file they name must be a format-1 shard name (so no path leads outside the folder) and a
@@ -14,7 +17,10 @@ regular file (a FIFO would block the reader).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +30,26 @@ from nvfp4_megamoe.errors import shown
 from nvfp4_megamoe.input_files import file_kind, not_regular, open_regular, read_json_object
 
 from .format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, FormatError, check_shard_name, read_manifest
+
+
+# safetensors dtype names -> torch dtypes
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """Where a tensor's bytes (or a range of its rows) lie in its shard file, and what they are."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    shape: list[int]
+    dtype: torch.dtype
 
 
 class Checkpoint:
@@ -51,6 +77,7 @@ class Checkpoint:
         if verify_hashes:
             self.verify_hashes()
         self._handles: dict[str, object] = {}
+        self._headers: dict[str, tuple[int, dict]] = {}   # shard -> (its data's offset, its header's entries)
         self.bytes_read = 0
 
     # -- shard access -------------------------------------------------------------------------
@@ -99,13 +126,45 @@ class Checkpoint:
         if rows is None:
             tensor = view[:] if view.get_shape() else self._open(self._shard_of(name)).get_tensor(name)
         else:
-            start, stop = rows
-            n = view.get_shape()[0]
-            if not (0 <= start <= stop <= n):
-                raise ValueError(f"{name}: rows [{start}, {stop}) outside its first dimension of {n}")
-            tensor = view[start:stop]
+            self._rows(name, rows, view.get_shape())
+            tensor = view[rows[0]:rows[1]]
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
+
+    def _rows(self, name: str, rows: tuple[int, int] | None, shape: list[int]) -> list[int]:
+        """The shape of ``rows`` of tensor ``name`` (all of it for None), the range checked."""
+        if rows is None:
+            return list(shape)
+        start, stop = rows
+        n = shape[0] if shape else 0
+        if not (0 <= start <= stop <= n):
+            raise ValueError(f"{name}: rows [{start}, {stop}) outside its first dimension of {n}")
+        return [stop - start, *shape[1:]]
+
+    def empty(self, name: str, rows: tuple[int, int] | None = None, device: str | torch.device = "meta") -> torch.Tensor:
+        """An uninitialised tensor of ``name``'s stored dtype and shape (or of its ``rows``): nothing is read."""
+        view = self._open(self._shard_of(name)).get_slice(name)
+        return torch.empty(self._rows(name, rows, view.get_shape()), dtype=SAFETENSORS_DTYPES[view.get_dtype()],
+                           device=device)
+
+    def byte_range(self, name: str, rows: tuple[int, int] | None = None) -> ByteRange:
+        """Where tensor ``name`` (or its rows ``[start, stop)``) lies in its shard file."""
+        shard = self._shard_of(name)
+        self._open(shard)   # the header checks of safe_open, once
+        if shard not in self._headers:
+            with open(self.path / shard, "rb") as fh:
+                (length,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(length))
+            self._headers[shard] = (8 + length, header)
+        data, header = self._headers[shard]
+        entry = header[name]
+        shape, (begin, end) = list(entry["shape"]), entry["data_offsets"]
+        part = self._rows(name, rows, shape)
+        if rows is not None:
+            row_bytes = (end - begin) // shape[0] if shape[0] else 0
+            begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
+        self.bytes_read += end - begin
+        return ByteRange(self.path / shard, data + begin, end - begin, part, SAFETENSORS_DTYPES[entry["dtype"]])
 
     # -- integrity ----------------------------------------------------------------------------
     def verify_hashes(self) -> None:

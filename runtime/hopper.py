@@ -81,6 +81,8 @@ class HopperBackend(ReferenceBackend):
         self.warmup_seconds: float | None = None
         self.compiled_at_warmup: int | None = None  # kernels the last warm-up compiled (not found in a cache)
         self.compile_report: list = []  # the last warm-up's worker compiles (``compile_workers.Compiled``)
+        self.warmup_phases: dict[str, float] = {}   # the last warm-up's seconds: waiting for kernels, forwards
+        self._pending = None   # compiles started by ``start_warmup``
 
     # -- dense NVFP4 linears ------------------------------------------------------------------------------------
     def _linear_ready(self, n: int, k: int, device: torch.device, groups: int = 1) -> bool:
@@ -254,42 +256,60 @@ class HopperBackend(ReferenceBackend):
         return out.float()
 
     # -- compile at load ----------------------------------------------------------------------------------------
-    def warmup(self, model, processes: int | None = None) -> float:
-        """Compile every kernel this model's shapes can launch, in parallel processes (``cute_host.compile_all``,
-        ``processes`` of them, default the CPU cores), then run tiny forwards so that nothing else is left for a
-        first call to set up; returns seconds. Kernels already in the disk cache are loaded, not compiled."""
+    def start_warmup(self, config, weights, device: str | torch.device, processes: int | None = None) -> None:
+        """Start compiling every kernel these weights' shapes can launch on ``device``, in ``processes`` worker
+        processes (``cute_host.start_compile_all``, default one per CPU core); :meth:`warmup` waits for them.
+        ``weights`` may be an outline on the meta device (``load_model`` starts the compiles from one, then reads
+        the weights while they run): only shapes and dtypes are looked at."""
         from nvfp4_megamoe.kernels import cute_host
 
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:   # "cuda:0", as the forward's tensors say it: the caches' keys
+            dev = torch.device("cuda", torch.cuda.current_device())
+        with cute_host.collecting() as jobs:
+            self._warm_shapes(config, weights, dev)
+        self._pending = cute_host.start_compile_all(jobs, processes)
+
+    def cancel_warmup(self) -> None:
+        """Stop the compiles :meth:`start_warmup` started (no new job starts; those running finish)."""
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+
+    def warmup(self, model, processes: int | None = None) -> float:
+        """Finish compiling (:meth:`start_warmup`, started here if it was not) every kernel this model's shapes can
+        launch, then run tiny forwards so that nothing else is left for a first call to set up; returns seconds.
+        Kernels already in the disk cache are loaded, not compiled. ``warmup_phases`` says where the time went."""
         t0 = time.perf_counter()
         dev = model.device
-        with cute_host.collecting() as jobs:
-            self._warm_shapes(model)
+        if self._pending is None:
+            self.start_warmup(model.config, model.weights, dev, processes)
         self.compile_report = []
-        self.compiled_at_warmup = cute_host.compile_all(jobs, processes, report=self.compile_report)
+        self.compiled_at_warmup = self._pending.wait(report=self.compile_report)
+        self._pending = None
+        t_kernels = time.perf_counter()
         for t in WARMUP_TOKENS:
             model(torch.zeros(1, t, dtype=torch.long, device=dev))
         state = model.new_state(1)
         model.step(torch.zeros(1, dtype=torch.long, device=dev), state)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        self.warmup_seconds = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        self.warmup_phases = {"kernels": t_kernels - t0, "forwards": t_end - t_kernels}
+        self.warmup_seconds = t_end - t0
         return self.warmup_seconds
 
-    def _warm_shapes(self, model) -> None:
-        """Ask every kernel family for what this model needs (inside ``cute_host.collecting``: nothing compiles)."""
+    def _warm_shapes(self, cfg, weights, dev: torch.device) -> None:
+        """Ask every kernel family for what these weights need (inside ``cute_host.collecting``: nothing compiles)."""
         from nvfp4_megamoe.kernels import sm90_decode_attention, sm90_indexer, sm90_mhc
 
-        cfg = model.config
-        dev = model.weights.embed.device  # "cuda:0", as the forward's tensors say it (the per-shape caches' keys)
-        layers = model.weights.layers.values()
+        layers = weights.layers.values()
         for lw in layers:
             self._moe_layer(lw.moe, cfg.top_k, cfg.swiglu_limit, dev)
             a = lw.attn
             for w in _nvfp4_linears(lw):
                 groups = cfg.o_groups if w is a.wo_a else 1
                 self._linear_ready(w.weight.shape[0] // groups, 2 * w.weight.shape[1], dev, groups)
-        if isinstance(model.weights.head, Nvfp4Linear):
-            self._linear_ready(model.weights.head.weight.shape[0], 2 * model.weights.head.weight.shape[1], dev)
         if sm90_mhc.Sm90HcWeights.can_implement(cfg.hc_mult):
             sm90_mhc.warmup(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, dev)
         ratios = {lw.attn.compress_ratio for lw in layers}

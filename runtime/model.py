@@ -16,6 +16,7 @@ differs, docs/runtime.md says which one this follows.
 from __future__ import annotations
 
 import importlib.util
+import time
 import warnings
 from pathlib import Path
 
@@ -96,6 +97,7 @@ class Model:
         self.device = torch.device(device)
         self.checkpoint = checkpoint
         self.world = None  # a distributed.World when load_model(..., world=...) split the experts
+        self.load_seconds: dict[str, float] = {}  # where load_model's time went (its phases, and "total")
         # decode steps replay from one CUDA graph per state (load_model sets this on the Hopper kernels
         # path; None: every op eager)
         self.decode_graphs: DecodeGraphs | None = None
@@ -362,7 +364,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", layers: lis
     ``experts``: load only routed experts ``[start, stop)`` of every layer (expert parallelism;
     the routed-MoE output is then this rank's partial sum). ``verify_hashes``: check every shard's
     sha256 against the manifest first. ``backend``: per-op backend (default: the Hopper kernels on
-    an sm_90 GPU, compiled here before returning; the PyTorch references elsewhere).
+    an sm_90 GPU, compiled here before returning, in worker processes while the weights are read; the PyTorch
+    references elsewhere). ``Model.load_seconds`` says where the time went.
     ``world``: expert parallelism over torch.distributed (``"auto"``: the default process group when
     initialised; or a :class:`~nvfp4_megamoe.runtime.distributed.World`): this rank loads its
     contiguous expert range, the MoE combines across ranks (docs/distributed.md).
@@ -370,6 +373,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", layers: lis
     Raises :class:`~nvfp4_megamoe.runtime.format.FormatError` for a folder that is not a
     converted checkpoint, or one written by a newer/unknown format version.
     """
+    t0 = time.perf_counter()
     ckpt = Checkpoint(path, verify_hashes=verify_hashes)
     config = ModelConfig.from_file(ckpt.path)
     world = resolve_world(world)
@@ -377,12 +381,23 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", layers: lis
         if experts is not None:
             raise ValueError("pass experts= or world=, not both (world= picks this rank's expert range)")
         experts = world.expert_range(config.n_routed_experts)
-    weights = WeightLoader(ckpt, config, device).model(layers, experts)
     warm = backend is None and hopper_available(device)
     if backend is None and not warm:
         _warn_without_kernels(device)
+    seconds: dict[str, float] = {}
     if warm:
+        # the kernels compile (worker processes) from an outline of the weights while the weights are read
         backend = HopperBackend()
+        backend.start_warmup(config, WeightLoader(ckpt, config, "meta").model(layers, experts), device)
+        seconds["start compiles"] = time.perf_counter() - t0
+    t_weights = time.perf_counter()
+    try:
+        weights = WeightLoader(ckpt, config, device).model(layers, experts)
+    except BaseException:
+        if warm:
+            backend.cancel_warmup()   # no kernels for a model that did not load
+        raise
+    seconds["weights"] = time.perf_counter() - t_weights
     inner = backend
     if world is not None:
         backend = ExpertParallelBackend(backend if backend is not None else ReferenceBackend(), world)
@@ -392,4 +407,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", layers: lis
         if world is None:  # collectives inside a captured block are not set up for graphs here
             model.decode_graphs = DecodeGraphs()
         inner.warmup(model)
+        seconds.update({f"{k} (warm-up)": v for k, v in inner.warmup_phases.items()})
+    seconds["total"] = time.perf_counter() - t0
+    model.load_seconds = seconds
     return model

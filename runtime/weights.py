@@ -20,7 +20,9 @@ with a :class:`FormatError` naming the tensor, not run into a wrong answer or a 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -32,6 +34,7 @@ from .checkpoint import Checkpoint
 from .config import ModelConfig
 from .expected import FLOAT, FP8_SCALES, fp8_scale_shape, model_tensors
 from .format import FormatError, alpha_shape, fp8_linear_names, fused_expert_names, has_row_tiles, nvfp4_linear_names
+from .gpu_upload import GpuUploader
 
 
 @dataclass
@@ -169,14 +172,28 @@ class ModelWeights:
     layers: dict[int, LayerWeights] = field(default_factory=dict)
 
 
+# smaller tensors (norms, alphas, the mHC and compressor weights) are copied as they are read: a chunk of their own
+# would cost more than it saves
+UPLOAD_MIN_BYTES = 1 << 20
+
+
 class WeightLoader:
     """Builds the typed weights from a :class:`Checkpoint` onto ``device``, checking each tensor first."""
 
     def __init__(self, ckpt: Checkpoint, config: ModelConfig, device: torch.device | str = "cpu"):
         self.ckpt, self.config, self.device = ckpt, config, torch.device(device)
         self.expected = model_tensors(config)
+        self._uploader: GpuUploader | None = None   # while ``model`` loads onto a GPU
 
     def tensor(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``name`` (or its ``rows``) on the device: on a GPU, past ``UPLOAD_MIN_BYTES``, read from its shard
+        into pinned memory and copied asynchronously (``gpu_upload``); on the meta device an outline, nothing read."""
+        if self.device.type == "meta":
+            return self.ckpt.empty(name, rows)
+        if self._uploader is not None:
+            where = self.ckpt.byte_range(name, rows)
+            if where.nbytes >= UPLOAD_MIN_BYTES:
+                return self._uploader.upload(where.path, where.offset, where.nbytes, where.shape, where.dtype)
         return self.ckpt.read(name, rows).to(self.device)
 
     # the value checks below run on the tensor as read, before it moves: on a GPU each would wait for the device
@@ -193,6 +210,8 @@ class WeightLoader:
         """A tensor stored as it is in the source (norms, mHC, sinks, compressors, router, embedding, head)."""
         spec = self.expected.tensors[name]
         self.check(name, spec.dtypes, spec.shape)
+        if spec.index_limit is None or self.device.type == "meta":
+            return self.tensor(name)
         t = self.ckpt.read(name)
         if spec.index_limit is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= spec.index_limit):
             raise FormatError(f"{self.ckpt.path}: {shown(name)} holds expert indices outside [0, {spec.index_limit}) "
@@ -202,6 +221,8 @@ class WeightLoader:
 
     def alphas(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """An NVFP4 global scale tensor, float32, every value finite and positive."""
+        if self.device.type == "meta":
+            return self.ckpt.empty(name, rows).float()
         a = self.ckpt.read(name, rows).float()
         bad = ~(torch.isfinite(a) & (a > 0))
         if bool(bad.any()):
@@ -309,9 +330,23 @@ class WeightLoader:
         bad = [i for i in chosen if not 0 <= i < n]
         if bad:
             raise ValueError(f"layers {bad} outside [0, {n})")
-        weights = ModelWeights(embed=self.stored("embed.weight"), head=DenseLinear(self.stored("head.weight")),
-                               norm=self.stored("norm.weight"),
-                               hc_head=self.hc("hc_head_fn", "hc_head_base", "hc_head_scale"))
-        for i in chosen:
-            weights.layers[i] = self.layer(i, experts)
+        with self._uploads():
+            weights = ModelWeights(embed=self.stored("embed.weight"), head=DenseLinear(self.stored("head.weight")),
+                                   norm=self.stored("norm.weight"),
+                                   hc_head=self.hc("hc_head_fn", "hc_head_base", "hc_head_scale"))
+            for i in chosen:
+                weights.layers[i] = self.layer(i, experts)
         return weights
+
+    @contextlib.contextmanager
+    def _uploads(self) -> Iterator[None]:
+        """On a GPU, the block's large tensors go through one :class:`GpuUploader`, every copy done at its end."""
+        if self.device.type != "cuda":
+            yield
+            return
+        self._uploader = GpuUploader(self.device)
+        try:
+            yield
+        finally:
+            uploader, self._uploader = self._uploader, None
+            uploader.finish()

@@ -3,7 +3,6 @@ and the bytes floor read from a converted checkpoint's headers (against the weig
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -14,17 +13,9 @@ from nvfp4_megamoe.runtime import ModelConfig, load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import e2e_bench  # noqa: E402
+from weight_trees import tensor_bytes  # noqa: E402
 
 EXPERT_FIELDS = ("w13", "w13_scale", "w13_alpha", "w2", "w2_scale", "w2_alpha")
-
-
-def tensor_bytes(obj) -> int:
-    """Bytes of every tensor reachable from a weights dataclass."""
-    if isinstance(obj, torch.Tensor):
-        return obj.nbytes
-    if dataclasses.is_dataclass(obj):
-        return sum(tensor_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    return 0
 
 
 def test_arguments_and_their_defaults():

@@ -85,6 +85,24 @@ def test_compile_all_compiles_in_worker_processes_and_loads_here(cache, monkeypa
     assert cute_host.compile_all(jobs, processes=2) == 0
 
 
+def test_compiles_started_run_while_this_process_works_and_a_cancel_hands_out_no_more(cache, monkeypatch):
+    """``start_compile_all`` returns while worker processes compile (this process's own compiler fails if asked);
+    ``wait`` then loads what they stored. A cancelled start hands out no job past those running, loads nothing."""
+    import cutlass.cute as cute
+    monkeypatch.setattr(cute, "compile", _no_compile)
+    jobs = [(Sm90MoeRouting(experts=64, top_k=4, tile_tokens=t), _routing_args(12)) for t in (8, 16)]
+    pending = cute_host.start_compile_all(jobs, processes=2)
+    assert not cute_host._COMPILED   # nothing loaded yet: the call did not wait for the workers
+    report = []
+    assert pending.wait(report) == 2 and len(report) == 2
+    assert all(cute_host.compile_key(op, args) in cute_host._COMPILED for op, args in jobs)
+    more = [(Sm90MoeRouting(experts=64, top_k=4, tile_tokens=t), _routing_args(12)) for t in (32, 48, 64, 80)]
+    pending = cute_host.start_compile_all(more, processes=2)
+    pending.cancel()
+    assert len(list(cache.glob("*.o"))) <= 2 + 2   # at most one job a worker ran past the cancel
+    assert not any(cute_host.compile_key(op, args) in cute_host._COMPILED for op, args in more)
+
+
 _UNGUARDED_SCRIPT = '''
 import os, sys
 with open(sys.argv[1], "a") as f:

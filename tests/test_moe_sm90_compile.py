@@ -118,12 +118,17 @@ def test_moe_heuristics():
                                                                      prefetch_next=78)
     assert heur.wgmma_tiling(96, 0, 7168, 7168, 78) == WgmmaTiling(96, l2_ahead=8, prefetch_next=78)
     assert not heur.use_wgmma(64, 6, 256) and heur.use_wgmma(4096, 6, 256)
-    # up to N = 48 one MMA width; from 64 on, N holds mean + 3 sqrt(mean) pairs and widths run from mean - 2 sqrt(mean)
+    # up to N = 48 one MMA width; from 64 on, N holds mean + 3 sqrt(mean) pairs and widths run from 32
     assert heur.pick_wgmma_tile_tokens(1024, 6, 256) == (32, 0) and heur.pick_wgmma_tile_tokens(2048, 6, 384) == (48, 0)
-    assert heur.pick_wgmma_tile_tokens(4096, 6, 256) == (128, 64) and heur.pick_wgmma_tile_tokens(4096, 6, 384) == (96, 48)
+    assert heur.pick_wgmma_tile_tokens(4096, 6, 256) == (128, 32) and heur.pick_wgmma_tile_tokens(4096, 6, 384) == (96, 32)
     assert heur.pick_wgmma_tile_tokens(8192, 6, 256) == (128, 32)  # experts overflow 128: their last tiles take any
+    # one narrowest width: one plan (two WGMMA kernels) per token tile N
+    for model, (h, i, e) in V4.items():
+        plans = {heur.moe_plan(_shape(model), t) for t in range(1, 8193)}
+        wgmma = [p for p in plans if p.wgmma]
+        assert len(wgmma) == len({p.l1.tiling.tile_tokens for p in wgmma}), model
     pro = heur.moe_plan(_shape("pro"), 4096)  # N = 96 taken down to 80 for two m64 groups a warpgroup
-    assert pro.wgmma and pro.routing_tile == 80 and pro.l1.tiling.min_tokens == pro.l2.tiling.min_tokens == 48
+    assert pro.wgmma and pro.routing_tile == 80 and pro.l1.tiling.min_tokens == pro.l2.tiling.min_tokens == 32
     l1, l2 = gemm_kernel(pro.l1), gemm_kernel(pro.l2)
     assert l1.bm == l2.bm == 256 and l1.wgs == 2 and l1.depth == 2 and not l2.ids_first and l1.width_step == 16
     flash = heur.moe_plan(_shape("flash"), 4096)

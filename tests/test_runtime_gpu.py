@@ -18,6 +18,7 @@ from nvfp4_megamoe.kernels.moe_reference import random_moe_weights
 from nvfp4_megamoe.runtime.weights import Nvfp4Linear
 
 from numeric import rel_err
+from weight_trees import weight_tensors
 
 pytestmark = pytest.mark.gpu  # tests/conftest.py skips it without an sm_90 GPU
 
@@ -36,6 +37,7 @@ def test_moe_kernel_matches_reference_on_loaded_layers(converted, variant, targe
     kernels read the row tiles, the reference the same weights un-tiled."""
     model = load_model(converted(variant, target=target), device="cuda")
     assert isinstance(model.backend, HopperBackend) and model.backend.warmup_seconds is not None
+    assert set(model.load_seconds) == {"start compiles", "weights", "kernels (warm-up)", "forwards (warm-up)", "total"}
     ref = ReferenceBackend()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for lw in model.weights.layers.values():
@@ -49,6 +51,39 @@ def test_moe_kernel_matches_reference_on_loaded_layers(converted, variant, targe
         assert model.backend.kernel_calls["moe"] == before + 1  # the kernel ran, not the fallback
         want = ref.moe(x.to(torch.bfloat16).float(), ids, wts, m, model.config.swiglu_limit)
         assert rel_err(got, want) < 1e-2
+
+
+def test_weights_uploaded_by_byte_range_are_the_bytes_read(converted, monkeypatch, tmp_path):
+    """A GPU load reads its large tensors by byte range into pinned buffers and copies them asynchronously
+    (``runtime/gpu_upload.py``): with every tensor taken that way, in 4 KiB chunks (most tensors end inside a chunk),
+    each one equals the CPU read, bit for bit; a poisoned tensor is overwritten in full; a shard that shrank is an
+    error that names it."""
+    from nvfp4_megamoe.runtime import gpu_upload, weights as weights_module
+    from nvfp4_megamoe.runtime.checkpoint import Checkpoint
+    from nvfp4_megamoe.runtime.config import ModelConfig
+
+    monkeypatch.setattr(weights_module, "UPLOAD_MIN_BYTES", 1)
+    monkeypatch.setattr(gpu_upload, "CHUNK_BYTES", 4096)
+    path = converted("flash", target="sm90")
+    ckpt = Checkpoint(path)
+    config = ModelConfig.from_file(path)
+    on_gpu = dict(weight_tensors(weights_module.WeightLoader(ckpt, config, "cuda").model(None, (1, 4))))
+    on_cpu = dict(weight_tensors(weights_module.WeightLoader(ckpt, config).model(None, (1, 4))))
+    assert on_gpu.keys() == on_cpu.keys()
+    for name, t in on_gpu.items():
+        assert t.is_cuda and t.dtype == on_cpu[name].dtype and torch.equal(t.cpu().view(torch.uint8).reshape(-1),
+                                                                          on_cpu[name].view(torch.uint8).reshape(-1)), name
+    name = "layers.0.ffn.experts.w13.weight"
+    where = ckpt.byte_range(name, (1, 3))
+    out = torch.full(where.shape, 0xA5, dtype=where.dtype, device="cuda")
+    with gpu_upload.GpuUploader(torch.device("cuda")) as up:
+        up.upload_into(out, where.path, where.offset)
+    assert torch.equal(out.cpu(), ckpt.read(name, (1, 3)))
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(where.path.read_bytes()[: where.offset + 5000])
+    with pytest.raises(OSError, match="short.safetensors: the file ended"):
+        with gpu_upload.GpuUploader(torch.device("cuda")) as up:
+            up.upload_into(torch.empty(where.shape, dtype=where.dtype, device="cuda"), short, where.offset)
 
 
 def _same_experts(a: torch.Tensor, b: torch.Tensor) -> bool:
