@@ -197,10 +197,13 @@ def time_prefill(model, tokens: int, chunk: int, gen: torch.Generator) -> dict:
 
 
 def compile_summary(report: list) -> dict:
-    """The load's worker compiles: kernels, workers, the longest and the sum of their seconds."""
+    """The load's worker compiles: kernels, workers, the longest and the sum of their seconds, the workers' longest
+    start-up (imports) and when the last answer came (seconds after the workers started)."""
     seconds = [c.seconds for c in report]
     return {"kernels": len(report), "workers": len({c.worker for c in report}),
-            "failed": sum(bool(c.error) for c in report), "longest_s": max(seconds, default=0.0), "sum_s": sum(seconds)}
+            "failed": sum(bool(c.error) for c in report), "longest_s": max(seconds, default=0.0), "sum_s": sum(seconds),
+            "startup_s": max((c.startup_s for c in report), default=0.0),
+            "last_s": max((c.finished_s for c in report), default=0.0)}
 
 
 def main(argv: list[str] | None = None) -> None:

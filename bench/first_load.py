@@ -1,6 +1,6 @@
 """Where a first ``load_model(path, device="cuda")`` goes: imports, then the phases ``Model.load_seconds`` records
-(starting the kernel compiles from an outline of the weights, reading the weights while they compile, waiting for
-the kernels, the warm-up forwards).
+(reading the headers and starting the weights' copies, starting the kernel compiles while the copies run, the rest
+of the copies, waiting for the kernels, the warm-up forwards).
 
 Run it twice in fresh processes with ``NVFP4_MEGAMOE_KERNEL_CACHE`` set to one empty folder: the first run is a
 cold load (every kernel compiled, in one worker process per core), the second a warm one (every kernel read from
@@ -49,7 +49,8 @@ def main(path: str) -> None:
     if report:
         built = compile_summary(report)
         print(f"worker compiles: {built['kernels']} kernels in {built['workers']} processes, "
-              f"sum {built['sum_s']:.1f} s, longest {built['longest_s']:.1f} s, failed {built['failed']}")
+              f"sum {built['sum_s']:.1f} s, longest {built['longest_s']:.1f} s, failed {built['failed']}; workers' "
+              f"start-up up to {built['startup_s']:.1f} s, last kernel {built['last_s']:.1f} s after they started")
         for c in sorted(report, key=lambda c: -c.seconds)[:12]:
             print(f"   {c.name:<28} {c.seconds:5.1f} s")
 

@@ -24,11 +24,14 @@ from typing import NamedTuple
 
 
 class Compiled(NamedTuple):
-    """One job's outcome: the op's class name, the worker's pid, seconds compiling, and the error (None: stored)."""
+    """One job's outcome: the op's class name, the worker's pid, seconds compiling, the error (None: stored), the
+    seconds the worker took to start (its imports) and when the answer came, in seconds after the workers started."""
     name: str
     worker: int
     seconds: float
     error: str | None
+    startup_s: float = 0.0
+    finished_s: float = 0.0
 
 
 def _worker_env() -> dict[str, str]:
@@ -44,6 +47,7 @@ def run_jobs(jobs: list[tuple], processes: int, stop: threading.Event | None = N
     ``stop`` is set no job is handed out (those not started are not in the result)."""
     procs, done = [], []
     queue = list(jobs)
+    t0 = time.perf_counter()
     for _ in range(min(processes, len(jobs))):
         p = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              env=_worker_env())
@@ -51,6 +55,7 @@ def run_jobs(jobs: list[tuple], processes: int, stop: threading.Event | None = N
         p.stdin.close()
         p.stdout.close()
     busy: dict[Connection, tuple] = {}
+    startup: dict[Connection, float] = {}
 
     def hand_out(to: Connection, answers: Connection) -> None:
         if stop is not None and stop.is_set():
@@ -71,10 +76,14 @@ def run_jobs(jobs: list[tuple], processes: int, stop: threading.Event | None = N
                 try:
                     pid, seconds, error = answers.recv()
                 except (EOFError, OSError):
-                    done.append(Compiled(type(job[0]).__name__, 0, 0.0, "the worker process ended"))
+                    done.append(Compiled(type(job[0]).__name__, 0, 0.0, "the worker process ended", 0.0,
+                                         time.perf_counter() - t0))
                     to.close()
                     continue
-                done.append(Compiled(type(job[0]).__name__, pid, seconds, error))
+                now = time.perf_counter() - t0
+                if answers not in startup:  # a worker's first answer: it spent the time before the job starting
+                    startup[answers] = now - seconds
+                done.append(Compiled(type(job[0]).__name__, pid, seconds, error, startup[answers], now))
                 hand_out(to, answers)
     finally:
         for p, to, answers in procs:
@@ -95,6 +104,8 @@ def _serve() -> None:
     jobs, answers = Connection(os.dup(0)), Connection(os.dup(1))
     os.dup2(2, 1)  # prints of the compiler go to stderr, never into the answers
     from nvfp4_megamoe.kernels import cute_host
+
+    import cutlass.cute  # noqa: F401  (what every compile needs: imported before the first job, counted as start-up)
 
     while True:
         try:

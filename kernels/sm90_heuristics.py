@@ -7,6 +7,8 @@ take what these functions build (``sm90_config``) and check it; nothing else pic
 
 from __future__ import annotations
 
+import functools
+
 from .sm90_config import ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, GemmConfig, GemmProblem, MmaTiling, MoePlan, MoeShape, WgmmaTiling
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)      # mma.sync token tiles
@@ -145,6 +147,8 @@ def wgmma_tiling(tile_tokens: int, min_tokens: int, hidden: int, k: int, sms: in
 
 
 # -- the MoE layer ---------------------------------------------------------------------------------------------------
+# cached: a layer asks for every T up to its largest (4,096 calls) when it checks and compiles its plans at load
+@functools.lru_cache(maxsize=1 << 16)
 def moe_plan(shape: MoeShape, tokens: int, sms: int = 132, *, wgmma: bool | None = None) -> MoePlan:
     """What a call with ``tokens`` tokens runs (``wgmma``: force the WGMMA or the mma.sync path, for tests).
 

@@ -6,8 +6,7 @@ carries the format-1 header metadata, and (optionally) the shards' sha256 agains
 Tensors are read with ``safe_open(...).get_slice`` so that a caller asking for a range of
 experts gets only those rows' bytes; :attr:`Checkpoint.bytes_read` counts what was materialised. A tensor bound for
 a GPU is instead located as a byte range of its shard (:meth:`Checkpoint.byte_range`, from the header that
-``safe_open`` accepted), which ``gpu_upload`` reads into pinned memory; :meth:`Checkpoint.empty` makes a tensor of
-a stored tensor's dtype and shape without reading it (the meta-device outline the kernel compiles start from).
+``safe_open`` accepted), which ``gpu_upload`` reads into pinned memory.
 
 What the folder says is input: the index and manifest are read strictly (``input_files``), every
 shard file they name must be a format-1 shard name (so no path leads outside the folder) and a
@@ -140,12 +139,6 @@ class Checkpoint:
         if not (0 <= start <= stop <= n):
             raise ValueError(f"{name}: rows [{start}, {stop}) outside its first dimension of {n}")
         return [stop - start, *shape[1:]]
-
-    def empty(self, name: str, rows: tuple[int, int] | None = None, device: str | torch.device = "meta") -> torch.Tensor:
-        """An uninitialised tensor of ``name``'s stored dtype and shape (or of its ``rows``): nothing is read."""
-        view = self._open(self._shard_of(name)).get_slice(name)
-        return torch.empty(self._rows(name, rows, view.get_shape()), dtype=SAFETENSORS_DTYPES[view.get_dtype()],
-                           device=device)
 
     def byte_range(self, name: str, rows: tuple[int, int] | None = None) -> ByteRange:
         """Where tensor ``name`` (or its rows ``[start, stop)``) lies in its shard file."""

@@ -386,18 +386,21 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", layers: lis
         _warn_without_kernels(device)
     seconds: dict[str, float] = {}
     if warm:
-        # the kernels compile (worker processes) from an outline of the weights while the weights are read
         backend = HopperBackend()
-        backend.start_warmup(config, WeightLoader(ckpt, config, "meta").model(layers, experts), device)
-        seconds["start compiles"] = time.perf_counter() - t0
-    t_weights = time.perf_counter()
+
+    def start_compiles(weights: ModelWeights) -> None:
+        # the kernels compile (worker processes) from the weights' shapes while their bytes are still being copied
+        seconds["read"] = time.perf_counter() - t0
+        backend.start_warmup(config, weights, device)
+        seconds["start compiles"] = time.perf_counter() - t0 - seconds["read"]
+
     try:
-        weights = WeightLoader(ckpt, config, device).model(layers, experts)
+        weights = WeightLoader(ckpt, config, device).model(layers, experts, start_compiles if warm else None)
     except BaseException:
         if warm:
             backend.cancel_warmup()   # no kernels for a model that did not load
         raise
-    seconds["weights"] = time.perf_counter() - t_weights
+    seconds["weights"] = time.perf_counter() - t0 - sum(seconds.values())
     inner = backend
     if world is not None:
         backend = ExpertParallelBackend(backend if backend is not None else ReferenceBackend(), world)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -187,9 +187,7 @@ class WeightLoader:
 
     def tensor(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Tensor ``name`` (or its ``rows``) on the device: on a GPU, past ``UPLOAD_MIN_BYTES``, read from its shard
-        into pinned memory and copied asynchronously (``gpu_upload``); on the meta device an outline, nothing read."""
-        if self.device.type == "meta":
-            return self.ckpt.empty(name, rows)
+        into pinned memory and copied asynchronously (``gpu_upload``)."""
         if self._uploader is not None:
             where = self.ckpt.byte_range(name, rows)
             if where.nbytes >= UPLOAD_MIN_BYTES:
@@ -210,7 +208,7 @@ class WeightLoader:
         """A tensor stored as it is in the source (norms, mHC, sinks, compressors, router, embedding, head)."""
         spec = self.expected.tensors[name]
         self.check(name, spec.dtypes, spec.shape)
-        if spec.index_limit is None or self.device.type == "meta":
+        if spec.index_limit is None:
             return self.tensor(name)
         t = self.ckpt.read(name)
         if spec.index_limit is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= spec.index_limit):
@@ -221,8 +219,6 @@ class WeightLoader:
 
     def alphas(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """An NVFP4 global scale tensor, float32, every value finite and positive."""
-        if self.device.type == "meta":
-            return self.ckpt.empty(name, rows).float()
         a = self.ckpt.read(name, rows).float()
         bad = ~(torch.isfinite(a) & (a > 0))
         if bool(bad.any()):
@@ -324,7 +320,12 @@ class WeightLoader:
             attn=self.attention(f"{p}.attn", self.config.compress_ratios[i]),
             moe=self.moe(f"{p}.ffn", experts))
 
-    def model(self, layers: list[int] | None, experts: tuple[int, int] | None) -> ModelWeights:
+    def model(self, layers: list[int] | None, experts: tuple[int, int] | None,
+              while_copying: Callable[[ModelWeights], None] | None = None) -> ModelWeights:
+        """The weights of ``layers`` (all: None) and routed experts ``experts`` (all: None). On a GPU the large
+        tensors' copies run in the background until every tensor is read; ``while_copying`` is then called with the
+        weights (their shapes final, their values possibly still on the way: ``load_model`` starts the kernel
+        compiles there), and the copies are waited for before this returns."""
         n = self.config.num_layers
         chosen = list(range(n)) if layers is None else sorted(set(layers))
         bad = [i for i in chosen if not 0 <= i < n]
@@ -336,6 +337,8 @@ class WeightLoader:
                                    hc_head=self.hc("hc_head_fn", "hc_head_base", "hc_head_scale"))
             for i in chosen:
                 weights.layers[i] = self.layer(i, experts)
+            if while_copying is not None:
+                while_copying(weights)
         return weights
 
     @contextlib.contextmanager
