@@ -1,6 +1,7 @@
 """Where a first ``load_model(path, device="cuda")`` goes: imports, then the phases ``Model.load_seconds`` records
 (reading the headers and starting the weights' copies, starting the kernel compiles while the copies run, the rest
-of the copies, waiting for the kernels, the warm-up forwards).
+of the copies, waiting for the kernels, the warm-up forwards), then a user's first decode steps (a new state's
+first step runs eagerly and captures the state's CUDA graph).
 
 Run it twice in fresh processes with ``NVFP4_MEGAMOE_KERNEL_CACHE`` set to one empty folder: the first run is a
 cold load (every kernel compiled, in one worker process per core), the second a warm one (every kernel read from
@@ -45,6 +46,17 @@ def main(path: str) -> None:
     phases = ", ".join(f"{k} {v:.2f} s" for k, v in model.load_seconds.items() if k != "total")
     print(f"imports {t_imports:.1f} s; load_model {total:.1f} s = {phases}; {be.compiled_at_warmup} kernels "
           f"compiled, {loads[0]} read from disk in {loads[1]:.1f} s; weights {model.checkpoint.bytes_read / 1e9:.2f} GB")
+    steps = []
+    for batch in (1, 8):   # a user's first steps: each new state runs eagerly, then captures its CUDA graph
+        state = model.new_state(batch)
+        ids = torch.zeros(batch, dtype=torch.long, device="cuda")
+        for _ in range(2):
+            t = time.perf_counter()
+            model.step(ids, state)
+            torch.cuda.synchronize()
+            steps.append(time.perf_counter() - t)
+    print(f"first steps after the load: B = 1 {steps[0]:.2f} s (eager + graph capture), then {steps[1] * 1e3:.1f} ms; "
+          f"B = 8 {steps[2]:.2f} s, then {steps[3] * 1e3:.1f} ms")
     report = be.compile_report
     if report:
         built = compile_summary(report)

@@ -68,13 +68,15 @@ class GpuUploader:
 
     def _copy(self, path: Path, fd: int, offset: int, dst: torch.Tensor) -> None:
         local = self._local
-        if not hasattr(local, "buffers"):
+        if not hasattr(local, "buffers"):   # this thread's first chunk: its buffers, events and stream
             local.buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            local.events = [None, None]
+            local.events = [torch.cuda.Event(), torch.cuda.Event()]
+            local.used = [False, False]
             local.turn = 0
+            torch.cuda.set_stream(self._stream)   # this thread's current stream (per thread): the copies go there
         i = local.turn
         local.turn ^= 1
-        if local.events[i] is not None:
+        if local.used[i]:
             local.events[i].synchronize()   # this buffer's previous copy has left it
         n = dst.numel()
         view = memoryview(local.buffers[i].numpy())[:n]
@@ -85,10 +87,9 @@ class GpuUploader:
                 raise OSError(f"{path}: the file ended {n - done} bytes early at offset {offset + done} "
                               "(it shrank after it was opened)")
             done += got
-        with torch.cuda.stream(self._stream):
-            dst.copy_(local.buffers[i][:n], non_blocking=True)
-            event = local.events[i] = torch.cuda.Event()
-            event.record(self._stream)
+        dst.copy_(local.buffers[i][:n], non_blocking=True)
+        local.events[i].record(self._stream)
+        local.used[i] = True
 
     def finish(self) -> None:
         """Wait for every upload; the caller's current stream is then ordered after them. Raises the first error."""

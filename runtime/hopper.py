@@ -41,7 +41,8 @@ from .weights import DenseLinear, Linear, MoEWeights, Nvfp4Linear
 
 # Largest token count one MoE kernel call takes; longer inputs are processed in chunks of it.
 MAX_MOE_TOKENS = 4096
-# Token counts whose kernels the warm-up compiles (decode tile, mid tiles, the WGMMA prefill path).
+# Token counts of the warm-up forwards (a decode step, a mid tile, the WGMMA prefill path): what a first call of each
+# sets up (kernels loaded from the disk cache, torch's own kernels and handles) is done at load.
 WARMUP_TOKENS = (1, 16, 256)
 # BF16 dense weights (compressor, router gate, indexer weights_proj) up to this size have a float32 copy made once, as
 # the reference computes; larger ones (the head) run BF16 x BF16 with float32 out rather than write a float32 copy of
@@ -288,10 +289,14 @@ class HopperBackend(ReferenceBackend):
         self.compiled_at_warmup = self._pending.wait(report=self.compile_report)
         self._pending = None
         t_kernels = time.perf_counter()
-        for t in WARMUP_TOKENS:
-            model(torch.zeros(1, t, dtype=torch.long, device=dev))
-        state = model.new_state(1)
-        model.step(torch.zeros(1, dtype=torch.long, device=dev), state)
+        # eager (T = 1 is a decode step): a graph captured here would be for a throwaway state, and each capture took
+        # about 0.37 s of a warm load on the H200; a user's state captures its own at its first step
+        graphs, model.decode_graphs = model.decode_graphs, None
+        try:
+            for t in WARMUP_TOKENS:
+                model(torch.zeros(1, t, dtype=torch.long, device=dev))
+        finally:
+            model.decode_graphs = graphs
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         t_end = time.perf_counter()
