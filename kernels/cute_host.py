@@ -27,6 +27,7 @@ CUDA operands with CuTe's fake tensors (no CUDA context in a worker) and store w
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import os
@@ -89,13 +90,18 @@ def cache_folder() -> Path | None:
     return base / "nvfp4_megamoe" / "kernels"
 
 
+@functools.cache
+def _device_target() -> str:
+    """The GPU this process compiles for ("cpu" without one); asked once (``torch.cuda.is_available`` is not cached)."""
+    return "sm_%d%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else "cpu"
+
+
 def _cache_file(key: tuple) -> tuple[Path, str] | None:
     """(object file, symbol prefix) of this compile in the on-disk cache, or None when it is off."""
     folder = cache_folder()
     if folder is None or folder in _UNWRITABLE:
         return None
-    target = os.environ.get("CUTE_DSL_ARCH") or (
-        "sm_%d%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else "cpu")
+    target = os.environ.get("CUTE_DSL_ARCH") or _device_target()
     ident = repr((key, target, _source_digest()))
     digest = hashlib.sha256(ident.encode()).hexdigest()
     return folder / f"{digest}.o", f"k{digest[:24]}"
@@ -222,24 +228,27 @@ def _compile_share(jobs: list[tuple[object, list[tuple], tuple[Path, str]]]) -> 
 class PendingCompiles:
     """Kernels compiling in worker processes (:func:`start_compile_all`); :meth:`wait` finishes them."""
 
-    def __init__(self, todo: dict[tuple, tuple], stored: list[tuple], processes: int | None):
+    def __init__(self, todo: dict[tuple, tuple], stored: list[tuple], processes: int | None, pool=None):
         self._todo, self._done, self._error = todo, [], None
         self._stop = threading.Event()
         workers = min(len(stored), processes or os.cpu_count() or 1)
         self._thread = None
-        if workers > 1:
-            # the longest compiles first, so that no worker is left with a long one at the end
-            order = sorted(stored, key=lambda job: getattr(job[0], "compile_cost", 1), reverse=True)
-            specs = [(op, [_operand_spec(t) for t in tensors], where) for op, tensors, where in order]
-            self._thread = threading.Thread(target=self._run, args=(specs, workers), name="kernel-compiles",
-                                            daemon=True)
-            self._thread.start()
+        if workers <= 1:
+            if pool is not None:
+                pool.discard()
+            return
+        # the longest compiles first, so that no worker is left with a long one at the end
+        order = sorted(stored, key=lambda job: getattr(job[0], "compile_cost", 1), reverse=True)
+        specs = [(op, [_operand_spec(t) for t in tensors], where) for op, tensors, where in order]
+        self._thread = threading.Thread(target=self._run, args=(specs, pool, workers), name="kernel-compiles",
+                                        daemon=True)
+        self._thread.start()
 
-    def _run(self, specs: list[tuple], workers: int) -> None:
-        from nvfp4_megamoe.kernels.compile_workers import run_jobs
+    def _run(self, specs: list[tuple], pool, workers: int) -> None:
+        from nvfp4_megamoe.kernels.compile_workers import WorkerPool, run_jobs
 
         try:
-            self._done = run_jobs(specs, workers, self._stop)
+            self._done = run_jobs(specs, pool if pool is not None else WorkerPool(workers), self._stop)
         except Exception as exc:  # noqa: BLE001 - no workers (cannot start, a job that does not pickle): compile here
             self._error = exc
 
@@ -270,12 +279,13 @@ class PendingCompiles:
         return len(self._todo)
 
 
-def start_compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | None = None) -> PendingCompiles:
+def start_compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | None = None,
+                      pool=None) -> PendingCompiles:
     """Start compiling every (op, tensors) job not compiled yet: in up to ``processes`` worker processes (default: the
-    CPU cores; :mod:`compile_workers`), driven from a thread of this process, when the disk cache is on and more than
-    one job is left (the workers store the object files that :meth:`PendingCompiles.wait` then loads); otherwise
-    ``wait`` compiles them here, one after the other. This process is free meanwhile (``load_model`` reads the
-    weights)."""
+    CPU cores), or those of ``pool`` (a :class:`compile_workers.WorkerPool` started earlier, closed here when no job
+    needs it), driven from a thread of this process, when the disk cache is on and more than one job is left (the
+    workers store the object files that :meth:`PendingCompiles.wait` then loads); otherwise ``wait`` compiles them
+    here, one after the other. This process is free meanwhile (``load_model`` reads the weights)."""
     todo: dict[tuple, tuple] = {}
     for op, tensors in jobs:
         key = compile_key(op, tensors)
@@ -284,7 +294,8 @@ def start_compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: 
         if not cached:
             todo.setdefault(key, (op, tensors, where))
     # a worker's kernel reaches this process through the disk cache: none without one
-    return PendingCompiles(todo, [job for job in todo.values() if job[2] is not None], processes)
+    stored = [job for job in todo.values() if job[2] is not None]
+    return PendingCompiles(todo, stored, len(pool.channels) if pool is not None else processes, pool)
 
 
 def compile_all(jobs: list[tuple[object, list[torch.Tensor]]], processes: int | None = None,

@@ -31,6 +31,8 @@ load (:meth:`HopperBackend.warmup`) so the first forward does not pay for compil
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import time
 
 import torch
@@ -57,11 +59,8 @@ def hopper_available(device: str | torch.device) -> bool:
         return False
     if torch.cuda.get_device_capability(dev) != (9, 0):
         return False
-    try:
-        import cutlass  # noqa: F401  (the kernels need CuTeDSL)
-    except ImportError:
-        return False
-    return True
+    # found, not imported: the import (about 0.5 s) is left to the kernels, after load_model has started its workers
+    return importlib.util.find_spec("cutlass") is not None
 
 
 class HopperBackend(ReferenceBackend):
@@ -84,6 +83,7 @@ class HopperBackend(ReferenceBackend):
         self.compile_report: list = []  # the last warm-up's worker compiles (``compile_workers.Compiled``)
         self.warmup_phases: dict[str, float] = {}   # the last warm-up's seconds: waiting for kernels, forwards
         self._pending = None   # compiles started by ``start_warmup``
+        self._pool = None      # workers started by ``start_workers``, not yet given their jobs
 
     # -- dense NVFP4 linears ------------------------------------------------------------------------------------
     def _linear_ready(self, n: int, k: int, device: torch.device, groups: int = 1) -> bool:
@@ -257,6 +257,16 @@ class HopperBackend(ReferenceBackend):
         return out.float()
 
     # -- compile at load ----------------------------------------------------------------------------------------
+    def start_workers(self, processes: int | None = None) -> None:
+        """Start the compiling worker processes now (``processes``, default one per CPU core), so that their
+        imports run while the weights are read; :meth:`start_warmup` gives them the kernels not in the disk cache,
+        or ends them when there are none. Nothing without a disk cache (the workers hand kernels over through it)."""
+        from nvfp4_megamoe.kernels import cute_host
+        from nvfp4_megamoe.kernels.compile_workers import WorkerPool
+
+        if self._pool is None and cute_host.cache_folder() is not None:
+            self._pool = WorkerPool(processes or os.cpu_count() or 1)
+
     def start_warmup(self, config, weights, device: str | torch.device, processes: int | None = None) -> None:
         """Start compiling every kernel these weights' shapes can launch on ``device``, in ``processes`` worker
         processes (``cute_host.start_compile_all``, default one per CPU core); :meth:`warmup` waits for them.
@@ -269,10 +279,14 @@ class HopperBackend(ReferenceBackend):
             dev = torch.device("cuda", torch.cuda.current_device())
         with cute_host.collecting() as jobs:
             self._warm_shapes(config, weights, dev)
-        self._pending = cute_host.start_compile_all(jobs, processes)
+        pool, self._pool = self._pool, None
+        self._pending = cute_host.start_compile_all(jobs, processes, pool)
 
     def cancel_warmup(self) -> None:
         """Stop the compiles :meth:`start_warmup` started (no new job starts; those running finish)."""
+        if self._pool is not None:
+            self._pool.discard()
+            self._pool = None
         if self._pending is not None:
             self._pending.cancel()
             self._pending = None

@@ -387,6 +387,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", layers: lis
     seconds: dict[str, float] = {}
     if warm:
         backend = HopperBackend()
+        backend.start_workers()   # compiling processes, importing while the checkpoint is read (unused if all cached)
 
     def start_compiles(weights: ModelWeights) -> None:
         # the kernels compile (worker processes) from the weights' shapes while their bytes are still being copied

@@ -103,6 +103,23 @@ def test_compiles_started_run_while_this_process_works_and_a_cancel_hands_out_no
     assert not any(cute_host.compile_key(op, args) in cute_host._COMPILED for op, args in more)
 
 
+def test_a_pool_started_early_compiles_the_jobs_or_ends_when_there_are_none(cache, monkeypatch):
+    """A ``WorkerPool`` started before the jobs are known (as ``load_model`` starts one) compiles them in its forked
+    workers; given nothing to compile (every kernel cached) it is ended at once."""
+    import cutlass.cute as cute
+    from nvfp4_megamoe.kernels.compile_workers import WorkerPool
+    monkeypatch.setattr(cute, "compile", _no_compile)
+    jobs = [(Sm90MoeRouting(experts=64, top_k=4, tile_tokens=t), _routing_args(12)) for t in (8, 16)]
+    pool = WorkerPool(3)
+    report = []
+    assert cute_host.start_compile_all(jobs, pool=pool).wait(report) == 2
+    assert [c.error for c in report] == [None, None] and len({c.worker for c in report}) == 2
+    assert pool.process.returncode == 0 and all(c.closed for pair in pool.channels for c in pair)
+    idle = WorkerPool(2)
+    assert cute_host.start_compile_all(jobs, pool=idle).wait() == 0   # all cached now
+    assert idle.process.returncode is not None and all(c.closed for pair in idle.channels for c in pair)
+
+
 _UNGUARDED_SCRIPT = '''
 import os, sys
 with open(sys.argv[1], "a") as f:
