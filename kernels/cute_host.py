@@ -19,7 +19,7 @@ it); ``0``, ``off``, ``false``, ``none`` or an empty value turn the disk cache o
 the in-process key, the target, the CuTeDSL version and the source of every
 module in ``kernels/``, so an edited kernel or another toolchain never loads a stale binary; a file
 that fails to load is compiled again, and a folder that cannot be written warns once and leaves the
-kernels in-process. :func:`compile_all` compiles in worker processes (:mod:`compile_workers`), which describe
+kernels in-process. :func:`start_compile_all` compiles in worker processes (:mod:`compile_workers`), which describe
 CUDA operands with CuTe's fake tensors (no CUDA context in a worker) and store what they compile.
 ``tests/test_moe_sm90_gpu.py`` checks that loaded kernels compute what compiled ones do (passed on an H200).
 """

@@ -129,7 +129,7 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
 
     @property
     def compile_cost(self) -> int:
-        """Relative compile time (``cute_host.compile_all``): one k-tile loop per MMA width, each about N wide."""
+        """Relative compile time (``cute_host.start_compile_all``): one k-tile loop per MMA width, each about N wide."""
         return (self.bn // 16) * ((self.bn - self.min_tokens) // self.width_step + 1)
 
     @cute.jit
