@@ -40,7 +40,7 @@ tomllib = pytest.importorskip("tomllib")
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_FILES = sorted([*ROOT.glob("*.py"), *(p for d in ("convert", "runtime", "kernels") for p in (ROOT / d).glob("*.py"))])
 # the files that run only on a GPU (compiling or launching the CuTeDSL kernels)
-GPU_PATH = {"kernels/cute_host.py", "runtime/hopper.py"} | {f"kernels/{p.name}" for p in (ROOT / "kernels").glob("sm90_*.py")}
+GPU_PATH = {"kernels/cute_host.py", "kernels/compile_workers.py", "runtime/hopper.py"} | {f"kernels/{p.name}" for p in (ROOT / "kernels").glob("sm90_*.py")}
 
 # What convert/hub.py takes from huggingface_hub -> the earliest release checked to have it (module docstring).
 HUB_USES = {
