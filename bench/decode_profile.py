@@ -54,8 +54,10 @@ def profile_step(model, batch: int, context: int, steps: int, gen: torch.Generat
 def ops_table(averages, steps: int, time_attr: str = "self_device_time_total") -> list[tuple[str, str, float, float]]:
     """(op, its input shapes, us a step, calls a step) from ``key_averages(group_by_input_shape=True)``, by the time
     the op itself took (``time_attr``: its own kernels, not those of ops it called), largest first; ops without
-    any left out."""
-    rows = [(a.key, str(a.input_shapes)[:80], getattr(a, time_attr) / steps, a.count / steps) for a in averages]
+    any left out, and so are the kernels' own rows (device events, each already counted under its op)."""
+    cpu = torch.autograd.DeviceType.CPU
+    rows = [(a.key, str(a.input_shapes)[:80], getattr(a, time_attr) / steps, a.count / steps) for a in averages
+            if a.device_type == cpu]
     return sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])
 
 

@@ -4,6 +4,7 @@ and the bytes floor read from a converted checkpoint's headers (against the weig
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,11 @@ def test_decode_profile_ops_table_sums_each_op_by_its_shapes():
             a @ a
             b @ b
             b @ b
-    rows = decode_profile.ops_table(prof.key_averages(group_by_input_shape=True), 2, "self_cpu_time_total")
+    kernel_row = types.SimpleNamespace(key="gemm_kernel", input_shapes=[], self_cpu_time_total=1e6, count=2,
+                                       device_type=torch.autograd.DeviceType.CUDA)   # a kernel's own row: left out
+    rows = decode_profile.ops_table([*prof.key_averages(group_by_input_shape=True), kernel_row], 2,
+                                    "self_cpu_time_total")
+    assert "gemm_kernel" not in {r[0] for r in rows}
     mm = {shapes: calls for op, shapes, us, calls in rows if op == "aten::mm"}
     assert mm == {str([[64, 64], [64, 64]]): 1.0, str([[8, 8], [8, 8]]): 2.0}
     assert all(us > 0 for _, _, us, _ in rows) and [r[2] for r in rows] == sorted((r[2] for r in rows), reverse=True)
