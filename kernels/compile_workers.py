@@ -100,7 +100,13 @@ def run_jobs(jobs: list[tuple], pool: WorkerPool, stop: threading.Event | None =
             queue.clear()
         if queue:
             job = queue.pop(0)
-            to.send(job)
+            try:
+                to.send(job)
+            except OSError:  # the worker is gone (killed, say): its job fails, this process compiles it
+                done.append(Compiled(type(job[0]).__name__, 0, 0.0, "the worker process ended", 0.0,
+                                     time.perf_counter() - pool.started))
+                to.close()
+                return
             busy[answers] = (job, to)
         else:
             to.close()  # end of input: the worker exits

@@ -120,6 +120,21 @@ def test_a_pool_started_early_compiles_the_jobs_or_ends_when_there_are_none(cach
     assert idle.process.returncode is not None and all(c.closed for pair in idle.channels for c in pair)
 
 
+def test_workers_that_die_leave_their_jobs_to_this_process(cache):
+    """A pool whose interpreter is gone (killed, say, for memory) fails the jobs it was handed and leaves the rest
+    unhanded; this process then compiles every one of them itself, with a warning, and the run goes on."""
+    from nvfp4_megamoe.kernels.compile_workers import WorkerPool
+    jobs = [(Sm90MoeRouting(experts=64, top_k=4, tile_tokens=t), _routing_args(12)) for t in (8, 16, 32)]
+    pool = WorkerPool(2)
+    pool.process.kill()
+    pool.process.wait()
+    report = []
+    with pytest.warns(UserWarning, match="3 of 3 kernels failed to compile in worker processes"):
+        assert cute_host.start_compile_all(jobs, pool=pool).wait(report) == 3
+    assert sorted(c.error for c in report) == ["no worker process left"] + ["the worker process ended"] * 2
+    assert all(cute_host.compile_key(op, args) in cute_host._COMPILED for op, args in jobs)
+
+
 _UNGUARDED_SCRIPT = '''
 import os, sys
 with open(sys.argv[1], "a") as f:
