@@ -204,13 +204,17 @@ class WeightLoader:
                               f"imply {'/'.join(dtypes)} {list(shape)}. The checkpoint does not match its config.json: "
                               "convert the source again.", path=self.ckpt.path, tensor=name)
 
-    def stored(self, name: str) -> torch.Tensor:
-        """A tensor stored as it is in the source (norms, mHC, sinks, compressors, router, embedding, head)."""
+    def stored(self, name: str, float32: bool = False) -> torch.Tensor:
+        """A tensor stored as it is in the source (norms, mHC, sinks, compressors, router, embedding, head); with
+        ``float32``, converted to float32 on the host before it moves (a conversion on the GPU could read a tensor
+        whose upload is still on its way: ``gpu_upload`` copies on a stream of its own until the load's end)."""
         spec = self.expected.tensors[name]
         self.check(name, spec.dtypes, spec.shape)
-        if spec.index_limit is None:
+        if spec.index_limit is None and not float32:
             return self.tensor(name)
         t = self.ckpt.read(name)
+        if float32:
+            t = t.float()
         if spec.index_limit is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= spec.index_limit):
             raise FormatError(f"{self.ckpt.path}: {shown(name)} holds expert indices outside [0, {spec.index_limit}) "
                               f"(min {int(t.min())}, max {int(t.max())}); convert the source again.",
@@ -245,19 +249,20 @@ class WeightLoader:
         return DenseLinear(self.tensor(f"{prefix}.weight"))
 
     def hc(self, fn: str, base: str, scale: str) -> HcWeights:
-        return HcWeights(self.stored(fn).float(), self.stored(base).float(), self.stored(scale).float())
+        return HcWeights(self.stored(fn, float32=True), self.stored(base, float32=True),
+                         self.stored(scale, float32=True))
 
     def compressor(self, prefix: str) -> CompressorWeights:
         return CompressorWeights(DenseLinear(self.stored(f"{prefix}.wkv.weight")),
                                  DenseLinear(self.stored(f"{prefix}.wgate.weight")),
-                                 self.stored(f"{prefix}.ape").float(), self.stored(f"{prefix}.norm.weight"))
+                                 self.stored(f"{prefix}.ape", float32=True), self.stored(f"{prefix}.norm.weight"))
 
     def attention(self, p: str, ratio: int) -> AttentionWeights:
         attn = AttentionWeights(
             wq_a=self.linear(f"{p}.wq_a"), q_norm=self.stored(f"{p}.q_norm.weight"), wq_b=self.linear(f"{p}.wq_b"),
             wkv=self.linear(f"{p}.wkv"), kv_norm=self.stored(f"{p}.kv_norm.weight"),
             wo_a=self.linear(f"{p}.wo_a"), wo_b=self.linear(f"{p}.wo_b"),
-            sink=self.stored(f"{p}.attn_sink").float(), compress_ratio=ratio)
+            sink=self.stored(f"{p}.attn_sink", float32=True), compress_ratio=ratio)
         if ratio:
             attn.compressor = self.compressor(f"{p}.compressor")
         if ratio == 4:
@@ -302,7 +307,7 @@ class WeightLoader:
         hashed = f"{p}.gate.tid2eid" in self.expected.tensors
         weights = MoEWeights(
             gate=DenseLinear(self.stored(f"{p}.gate.weight")),
-            bias=None if hashed else self.stored(f"{p}.gate.bias").float(),
+            bias=None if hashed else self.stored(f"{p}.gate.bias", float32=True),
             tid2eid=self.stored(f"{p}.gate.tid2eid") if hashed else None,
             w13=self.tensor(w13["weight"], rows), w13_scale=self.tensor(w13["weight_scale"], rows),
             w13_alpha=self.alphas(w13["alpha"], rows),
