@@ -9,7 +9,7 @@ the disk cache). The kernels read from disk are counted by wrapping ``cute_host.
 come from ``model.backend.compile_report``.
 
     export NVFP4_MEGAMOE_KERNEL_CACHE=$(mktemp -d)
-    python bench/first_load.py /tmp/flash-layer-sm90     # cold
+    python bench/first_load.py /tmp/flash-layer-sm90     # cold (it says so when CuTeDSL lacks its bytecode)
     python bench/first_load.py /tmp/flash-layer-sm90     # warm
 """
 
@@ -25,8 +25,27 @@ from nvfp4_megamoe.runtime import load_model  # noqa: E402
 from e2e_bench import compile_summary  # noqa: E402
 
 
+def uncompiled_cutedsl() -> tuple[int, str]:
+    """(CuTeDSL modules without bytecode, the folder to byte-compile): an install unpacked without it (``pip
+    install`` compiles it) makes every interpreter compile those modules, about 1.5 s of each load on the H200
+    machine, and of each compiling worker's start."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("cutlass")
+    if spec is None or spec.origin is None:
+        return 0, ""
+    root = Path(spec.origin).parent
+    missing = sum(not Path(importlib.util.cache_from_source(str(p))).exists() for p in root.rglob("*.py"))
+    return missing, str(root)
+
+
 def main(path: str) -> None:
     t_imports = time.perf_counter() - T0
+    missing, root = uncompiled_cutedsl()
+    if missing:
+        print(f"note: {missing} CuTeDSL modules have no bytecode, so this load compiles them first; as pip installs "
+              f"it: python -m compileall -q {root}")
     loads = [0, 0.0]
     load_cached = cute_host._load_cached
 
