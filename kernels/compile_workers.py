@@ -47,15 +47,21 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-class WorkerPool:
-    """``processes`` compiling workers forked by one interpreter started now (module docstring); they start
-    compiling when :func:`run_jobs` hands them jobs. :meth:`close` ends a pool that is not needed."""
+def worker_count(processes: int | None) -> int:
+    """Compiling workers to start: ``processes``, by default one per CPU core."""
+    return max(1, processes or os.cpu_count() or 1)
 
-    def __init__(self, processes: int):
+
+class WorkerPool:
+    """``processes`` compiling workers (:func:`worker_count`) forked by one interpreter started now (module
+    docstring); they start compiling when :func:`run_jobs` hands them jobs. :meth:`discard` ends a pool that is not
+    needed."""
+
+    def __init__(self, processes: int | None = None):
         self.started = time.perf_counter()
         self.channels: list[tuple[Connection, Connection]] = []   # (jobs to a worker, its answers)
         child_fds = []
-        for _ in range(max(1, processes)):
+        for _ in range(worker_count(processes)):
             job_r, job_w = os.pipe()
             answer_r, answer_w = os.pipe()
             child_fds += [job_r, answer_w]

@@ -231,7 +231,9 @@ class PendingCompiles:
     def __init__(self, todo: dict[tuple, tuple], stored: list[tuple], processes: int | None, pool=None):
         self._todo, self._done, self._error = todo, [], None
         self._stop = threading.Event()
-        workers = min(len(stored), processes or os.cpu_count() or 1)
+        from nvfp4_megamoe.kernels.compile_workers import worker_count
+
+        workers = min(len(stored), worker_count(processes))
         self._thread = None
         if workers <= 1:
             if pool is not None:

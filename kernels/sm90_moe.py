@@ -23,7 +23,7 @@ configuration (in-process, and on disk unless ``NVFP4_MEGAMOE_KERNEL_CACHE=0``, 
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
@@ -111,10 +111,9 @@ class Sm90Nvfp4Moe:
             ops = self._kernels[plan] = (routing, gemm_kernel(plan.l1), gemm_kernel(plan.l2))
         return ops
 
-    def warmup(self, ids_dtype: torch.dtype = torch.int32, tokens: Iterable[int] | None = None) -> int:
-        """Compile every plan a call with 1 <= T <= ``max_tokens`` can pick (or only those of the token counts
-        ``tokens``), routing ids of ``ids_dtype``, so that no call compiles (nor any CUDA-graph capture). Returns how
-        many plans there are."""
+    def warmup(self, ids_dtype: torch.dtype = torch.int32) -> int:
+        """Compile every plan a call with 1 <= T <= ``max_tokens`` can pick (routing ids of ``ids_dtype``), so that no
+        call compiles (nor any CUDA-graph capture). Returns how many plans there are."""
         # compiles specialise on dtypes and ranks only (shapes are dynamic): tiny stand-ins will do
         dev, p = self.hbuf.device, self.k
         u8, f32 = dict(dtype=torch.uint8, device=dev), dict(dtype=torch.float32, device=dev)
@@ -122,7 +121,7 @@ class Sm90Nvfp4Moe:
         x, out = torch.empty(1, 16, dtype=torch.bfloat16, device=dev), torch.empty(1, 16, **f32)
         ids, wts = torch.empty(p, dtype=ids_dtype, device=dev), torch.empty(p, **f32)
         common = [self.token_of[:p], self.weight_of[:p], self.tiles, self.num_tiles]
-        plans = {self.plan(n) for n in (range(1, self.max_tokens + 1) if tokens is None else tokens)}
+        plans = {self.plan(n) for n in range(1, self.max_tokens + 1)}
         for plan in plans:
             routing, l1, l2 = self.kernels(plan)
             pairs = [self.zeros, wts, ids.view(p, 1), self.num_tiles] if plan.direct else common

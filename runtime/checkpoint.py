@@ -141,7 +141,8 @@ class Checkpoint:
         return [stop - start, *shape[1:]]
 
     def byte_range(self, name: str, rows: tuple[int, int] | None = None) -> ByteRange:
-        """Where tensor ``name`` (or its rows ``[start, stop)``) lies in its shard file."""
+        """Where tensor ``name`` (or its rows ``[start, stop)``) lies in its shard file (not counted in
+        :attr:`bytes_read`: whoever reads the range counts it)."""
         shard = self._shard_of(name)
         self._open(shard)   # the header checks of safe_open, once
         if shard not in self._headers:
@@ -156,7 +157,6 @@ class Checkpoint:
         if rows is not None:
             row_bytes = (end - begin) // shape[0] if shape[0] else 0
             begin, end = begin + rows[0] * row_bytes, begin + rows[1] * row_bytes
-        self.bytes_read += end - begin
         return ByteRange(self.path / shard, data + begin, end - begin, part, SAFETENSORS_DTYPES[entry["dtype"]])
 
     # -- integrity ----------------------------------------------------------------------------

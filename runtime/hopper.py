@@ -32,7 +32,6 @@ load (:meth:`HopperBackend.warmup`) so the first forward does not pay for compil
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 
 import torch
@@ -265,13 +264,13 @@ class HopperBackend(ReferenceBackend):
         from nvfp4_megamoe.kernels.compile_workers import WorkerPool
 
         if self._pool is None and cute_host.cache_folder() is not None:
-            self._pool = WorkerPool(processes or os.cpu_count() or 1)
+            self._pool = WorkerPool(processes)
 
     def start_warmup(self, config, weights, device: str | torch.device, processes: int | None = None) -> None:
         """Start compiling every kernel these weights' shapes can launch on ``device``, in ``processes`` worker
-        processes (``cute_host.start_compile_all``, default one per CPU core); :meth:`warmup` waits for them.
-        ``weights`` may be an outline on the meta device (``load_model`` starts the compiles from one, then reads
-        the weights while they run): only shapes and dtypes are looked at."""
+        processes (``cute_host.start_compile_all``, default one per CPU core, or those :meth:`start_workers` started);
+        :meth:`warmup` waits for them. Only the weights' shapes and dtypes are looked at: ``load_model`` calls this
+        while their bytes are still being copied."""
         from nvfp4_megamoe.kernels import cute_host
 
         dev = torch.device(device)

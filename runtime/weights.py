@@ -191,6 +191,7 @@ class WeightLoader:
         if self._uploader is not None:
             where = self.ckpt.byte_range(name, rows)
             if where.nbytes >= UPLOAD_MIN_BYTES:
+                self.ckpt.bytes_read += where.nbytes   # smaller ones are counted by ``read``, below
                 return self._uploader.upload(where.path, where.offset, where.nbytes, where.shape, where.dtype)
         return self.ckpt.read(name, rows).to(self.device)
 
