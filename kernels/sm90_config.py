@@ -85,7 +85,8 @@ class MmaTiling:
 
 @dataclass(frozen=True)
 class WgmmaTiling:
-    """CTA shape and schedule of the WGMMA GEMM (``Sm90Nvfp4WgmmaGemm``): MoE prefill.
+    """CTA shape and schedule of the WGMMA GEMM (``Sm90Nvfp4WgmmaGemm``): MoE prefill, dense linears from
+    ``sm90_heuristics.LINEAR_WGMMA_MIN_TOKENS`` tokens.
 
     Attributes:
         tile_tokens: N, tokens per work tile (16..256, a multiple of 16).
@@ -98,6 +99,7 @@ class WgmmaTiling:
         l2_ahead: k-tiles ahead of the register pipeline that the weights are prefetched into the L2 (0: none).
         prefetch_next: with ``l2_ahead``, the CTAs resident at once (0: off): a CTA then prefetches the first weight
             k-tiles of the CTA that many blocks after it.
+        k_splits: ``"store"`` with float32 out: K is split over this many CTAs (grid z), as ``MmaTiling.k_splits``.
     """
 
     tile_tokens: int = 128
@@ -108,6 +110,7 @@ class WgmmaTiling:
     min_ctas: int = 1
     l2_ahead: int = 0
     prefetch_next: int = 0
+    k_splits: int = 1
 
 
 Tiling = MmaTiling | WgmmaTiling

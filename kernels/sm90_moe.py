@@ -28,30 +28,14 @@ from typing import Callable
 import torch
 
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
-from .sm90_config import GemmConfig, MmaTiling, MoePlan, MoeShape
+from .sm90_config import MoePlan, MoeShape
+from .sm90_gemm_family import Gemm, gemm_can_implement, gemm_kernel
 from .sm90_heuristics import TILE_TOKEN_CHOICES, moe_plan
 from .sm90_k_order import Sm90StagedOrder
-from .sm90_moe_gemm import Sm90Nvfp4MmaGemm
 from .sm90_moe_routing import MAX_EXPERTS, Sm90MoeRouting, max_tiles_for
-from .sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm
 from .swizzle import swizzled_nbytes
 
 Planner = Callable[[MoeShape, int, int], MoePlan]
-Gemm = Sm90Nvfp4MmaGemm | Sm90Nvfp4WgmmaGemm
-
-
-def _family(config: GemmConfig) -> type[Gemm]:
-    """The GEMM family of a configuration: its tiling's type picks it."""
-    return Sm90Nvfp4MmaGemm if isinstance(config.tiling, MmaTiling) else Sm90Nvfp4WgmmaGemm
-
-
-def gemm_kernel(config: GemmConfig) -> Gemm:
-    """The kernel object of a GEMM configuration."""
-    return _family(config)(config.problem, config.tiling)
-
-
-def gemm_can_implement(config: GemmConfig) -> bool:
-    return _family(config).can_implement(config.problem, config.tiling)
 
 
 class Sm90Nvfp4Moe:

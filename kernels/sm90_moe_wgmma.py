@@ -54,11 +54,15 @@ def wgmma_violations(problem: GemmProblem, tiling: WgmmaTiling) -> list[str]:
     """What in (``problem``, ``tiling``) the WGMMA GEMM does not take (empty: it takes it)."""
     bad = problem_violations(problem)
     t = tiling
-    n_kt = problem.k // K_TILE
-    if problem.mode not in ("swiglu", "scatter"):
-        bad.append(f"the wgmma GEMM has modes swiglu/scatter, got {problem.mode!r}")
+    n_kt = problem.k // K_TILE // max(t.k_splits, 1)  # k-tiles a CTA walks
     if problem.b_order != "staged" or problem.direct_top_k:
         bad.append("the wgmma GEMM reads 'staged' activation rows of routed tiles (b_order 'staged', no direct_top_k)")
+    if t.k_splits < 1 or (t.k_splits > 1 and (problem.mode != "store" or problem.out_bf16
+                                              or (problem.k // K_TILE) % t.k_splits)):
+        bad.append(f"k_splits must be >= 1, and above 1 only in mode 'store' with float32 out and dividing the "
+                   f"{problem.k // K_TILE} k-tiles; got {t.k_splits}")
+    if problem.mode == "store" and t.prefetch_next:
+        bad.append("prefetch_next follows the routed tiles: 0 in mode 'store'")
     if t.tile_tokens % 16 or not 16 <= t.tile_tokens <= 256:
         bad.append(f"tile_tokens must be a multiple of 16 in [16, 256], got {t.tile_tokens}")
     elif _smem_bytes(t.tile_tokens) > ptx.SMEM_LIMIT:
@@ -107,7 +111,8 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
         self.threads = 128 * tiling.warpgroups
         self.row_tiles = tiling.m_tiles  # a warp's 16-row groups, one per m64 MMA of its warpgroup
         self.bm = 64 * tiling.warpgroups * tiling.m_tiles
-        self.n_kt = problem.k // K_TILE
+        self.k_splits = tiling.k_splits
+        self.n_kt = problem.k // K_TILE // tiling.k_splits  # k-tiles a CTA walks (its share of K)
         self.depth = tiling.depth
         self.n_ld = self.bn * 16 // self.threads  # 16-byte activation chunks per thread per k-tile
         self.stages = STAGES
@@ -136,8 +141,12 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor,
                  mTok: cute.Tensor, mRW: cute.Tensor, mTiles: cute.Tensor, mNumTiles: cute.Tensor,
                  mOut: cute.Tensor, mZero: cute.Tensor, stream):
+        # "store": every (group, token tile) of x's rows, times the K shares; the MoE modes: the routed tiles
+        tiles = mTiles.shape[0]
+        if const_expr(self.mode == "store"):
+            tiles = (mX.shape[0] + self.bn - 1) // self.bn * self.groups
         self.kernel(mW, mS, mAlpha, mX, mTok, mRW, mTiles, mNumTiles, mOut, mZero).launch(
-            grid=[self.m // self.bm, mTiles.shape[0], 1], block=[self.threads, 1, 1],
+            grid=[self.m // self.bm, tiles, self.k_splits], block=[self.threads, 1, 1],
             smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_ctas,
             preferred_smem_carveout=-1 if self.min_ctas > 1 else None)
 
@@ -146,12 +155,22 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
                mTok: cute.Tensor, mRW: cute.Tensor, mTiles: cute.Tensor, mNumTiles: cute.Tensor,
                mOut: cute.Tensor, mZero: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
+        bx, by, bz = cute.arch.block_idx()
         if const_expr(self.mode == "swiglu"):
             self.zero_output(mZero, bx, by, tidx)
         smem = cutlass.memory.SmemAllocator()
         sbuf = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.stages * self.stage_bytes + 1024), 1024)
-        if by < mNumTiles[0]:
+        if const_expr(self.mode == "store"):
+            # a dense linear: tile ``by`` is token tile by % tiles of group by // tiles ("expert" = the group)
+            rows = mX.shape[0]
+            tiles = (rows + self.bn - 1) // self.bn
+            begin = (by % tiles) * self.bn
+            cnt = rows - begin
+            if cnt > self.bn:
+                cnt = Int32(self.bn)
+            succ = cute.make_rmem_tensor((2,), Int32)
+            self.wg_tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, sbuf, by // tiles, begin, cnt, bx, tidx, succ, bz)
+        elif by < mNumTiles[0]:
             expert = mTiles[by, 0]
             begin = mTiles[by, 1]
             end = mTiles[by, 2]
@@ -165,12 +184,14 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
                 if later // gx < mNumTiles[0]:
                     succ[0] = mTiles[later // gx, 0]
                     succ[1] = later % gx
-            self.wg_tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, sbuf, expert, begin, end - begin, bx, tidx, succ)
+            self.wg_tile(mW, mS, mAlpha, mX, mTok, mRW, mOut, sbuf, expert, begin, end - begin, bx, tidx, succ,
+                         Int32(0))
 
     @cute.jit
     def wg_tile(self, mW: cute.Tensor, mS: cute.Tensor, mAlpha: cute.Tensor, mX: cute.Tensor, mTok: cute.Tensor,
                 mRW: cute.Tensor, mOut: cute.Tensor, sbuf: cute.Tensor, expert: Int32, begin: Int32, cnt: Int32,
-                bx: Int32, tidx: Int32, succ: cute.Tensor):
+                bx: Int32, tidx: Int32, succ: cute.Tensor, kz: Int32):
+        """Tile (``expert``, rows ``begin`` .. ``begin + cnt``) for row block ``bx``, over K share ``kz``."""
         k = self.k
         wg = tidx // 128
         warp = (tidx % 128) // 32
@@ -184,9 +205,11 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
         # --- weights: per-thread addresses and register pipeline (as the mma.sync kernel, MT row tiles) ---
         w_base = self.weight_base(mW, expert, c)
         s_base = self.scale_base(mS, expert, c)
-        # row g's addresses: the thread's other rows are constant offsets on (``row_offsets``)
-        a_addr = self.weight_row(w_base, row_base + g)
-        s_addr = self.scale_row(s_base, row_base + g)
+        # row g's addresses, at the first k-tile of the CTA's share of K: the thread's other rows are constant
+        # offsets on (``row_offsets``)
+        kt0 = kz * self.n_kt
+        a_addr = self.weight_row(w_base, row_base + g) + Int64(kt0 * self.kt_bytes)
+        s_addr = self.scale_row(s_base, row_base + g) + Int64(kt0 * 1024)
 
         # --- activation staging: this thread's 16-byte chunks (fixed column chunk, rows n0 + 16 i * wgs) ---
         q16 = tidx % 16          # chunk of a 256-byte (128-K) row: columns 8 q16 .. 8 q16 + 7 of the staged tile
@@ -194,7 +217,7 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
         n8 = n0 % 8              # swizzle phase (the same for all of this thread's rows)
         x_addr = cute.make_rmem_tensor((self.n_ld,), Int64)
         x_bytes = cute.make_rmem_tensor((self.n_ld,), Int32)  # 0 past the tile's tokens: zero-filled, not read
-        x_base = mX.iterator.toint() + Int64(q16 * 16)
+        x_base = mX.iterator.toint() + Int64(q16 * 16) + Int64(kt0 * 256)
         for i in cutlass.range_constexpr(self.n_ld):
             n = n0 + i * (self.threads // 16)
             t = n
@@ -205,6 +228,8 @@ class Sm90Nvfp4WgmmaGemm(Nvfp4GemmParts):
             brow = begin + t
             if const_expr(self.mode == "swiglu"):
                 brow = self.token_of(mTok, brow)
+            if const_expr(self.mode == "store"):  # a row of x holds every group's K side by side
+                brow = brow * self.groups + expert
             x_addr[i] = x_base + Int64(brow) * (k * 2)
         s_smem = (Int32(sbuf.iterator.toint()) + 1023) & Int32(-1024)  # swizzle atoms need 1024-byte alignment
         # byte offset in a stage of this thread's chunk of row n0: half q16 // 8, row n0, 16-byte chunk (q16 % 8) ^ n8

@@ -1,9 +1,11 @@
-"""Dense NVFP4 linear on Hopper (sm_90a): ``x @ W.T * alpha``, the mma.sync GEMM in mode ``"store"``; or G such
-linears of one launch (``groups``: a grouped projection such as ``wo_a``, each group its own slice of x's row).
+"""Dense NVFP4 linear on Hopper (sm_90a): ``x @ W.T * alpha``, or G such linears of one launch (``groups``: a
+grouped projection such as ``wo_a``, each group its own slice of x's row).
 
-W4A16 like the MoE: ``x`` BF16, the weights decoded in registers, fp32 accumulation. The token tile and the K split
-(a few tokens against a small W would otherwise leave most SMs idle) are picked by
-:func:`~nvfp4_megamoe.kernels.sm90_heuristics.linear_config`; :func:`can_implement` says which W [N, K] it tiles.
+W4A16 like the MoE: ``x`` BF16, the weights decoded in registers, fp32 accumulation. Which kernel runs is
+:func:`~nvfp4_megamoe.kernels.sm90_heuristics.linear_config`'s pick: the mma.sync GEMM in mode ``"store"`` for
+few tokens (token tile and K split: a few tokens against a small W would otherwise leave most SMs idle), the WGMMA
+GEMM from ``LINEAR_WGMMA_MIN_TOKENS`` (float32 out), which reads x in the ``"staged"`` K order, so x is first
+permuted into a workspace (``Sm90StagedOrder``). :func:`can_implement` says which W [N, K] it tiles.
 """
 
 from __future__ import annotations
@@ -14,9 +16,14 @@ import torch
 
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import GemmConfig
+from .sm90_gemm_family import Gemm, gemm_kernel
 from .sm90_heuristics import linear_config, linear_token_counts
+from .sm90_k_order import Sm90StagedOrder
 from .sm90_moe_gemm import Sm90Nvfp4MmaGemm
+from .sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm
 from .swizzle import swizzled_nbytes
+
+_PERMUTE = Sm90StagedOrder()  # x into the "staged" K order, before a WGMMA call
 
 
 def can_implement(n: int, k: int, groups: int = 1) -> bool:
@@ -25,15 +32,15 @@ def can_implement(n: int, k: int, groups: int = 1) -> bool:
     return n > 0 and Sm90Nvfp4MmaGemm.can_implement(config.problem, config.tiling)
 
 
-def linear_op(n: int, k: int, tokens: int, out_bf16: bool = False, groups: int = 1) -> Sm90Nvfp4MmaGemm:
+def linear_op(n: int, k: int, tokens: int, out_bf16: bool = False, groups: int = 1) -> Gemm:
     """The kernel :func:`sm90_nvfp4_linear` launches for ``tokens`` rows of x [., G, K] against G W [N, K]."""
     return _kernel(linear_config(n, k, tokens, out_bf16, groups))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(config: GemmConfig) -> Sm90Nvfp4MmaGemm:
+def _kernel(config: GemmConfig) -> Gemm:
     # one kernel object per configuration: a call (every dense linear of a decode step) does not check it again
-    return Sm90Nvfp4MmaGemm(config.problem, config.tiling)
+    return gemm_kernel(config)
 
 
 _UNUSED: dict[torch.device, torch.Tensor] = {}
@@ -62,6 +69,8 @@ def warmup(n: int, k: int, device: torch.device | str, out_dtype: torch.dtype = 
     ops = {linear_op(n, k, t, out_dtype == torch.bfloat16, groups) for t in linear_token_counts()}
     for op in ops:
         _compile(op, _operands(x, w, sc, alpha, out))
+    if any(isinstance(op, Sm90Nvfp4WgmmaGemm) for op in ops):
+        _compile(_PERMUTE, [x, torch.empty_like(x)])
     return len(ops)
 
 
@@ -87,6 +96,10 @@ def sm90_nvfp4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
             and out.is_contiguous(), f"out must be contiguous bf16/f32 [T, G*N={groups * n}], got {out.dtype} "
                                      f"{tuple(out.shape)}")
     op = linear_op(n, k, x.shape[0], out.dtype == torch.bfloat16, groups)
+    if isinstance(op, Sm90Nvfp4WgmmaGemm):
+        staged = torch.empty_like(x)
+        _launch(_PERMUTE, [x, staged])
+        x = staged
     if op.k_splits > 1:
         out.zero_()  # the K shares add into it
     _launch(op, _operands(x, weight, weight_scale, alpha, out))

@@ -21,7 +21,8 @@ cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not insta
 from nvfp4_megamoe.kernels import sm90_heuristics as heur  # noqa: E402
 from nvfp4_megamoe.kernels.cute_host import compile_op  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_config import GemmProblem, MmaTiling, MoeShape, WgmmaTiling  # noqa: E402
-from nvfp4_megamoe.kernels.sm90_moe import Sm90Nvfp4Moe, gemm_kernel  # noqa: E402
+from nvfp4_megamoe.kernels.sm90_gemm_family import gemm_kernel  # noqa: E402
+from nvfp4_megamoe.kernels.sm90_moe import Sm90Nvfp4Moe  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4MmaGemm  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_config import replace_tilings  # noqa: E402
@@ -73,19 +74,26 @@ def test_direct_variants_compile_sm90a(variant):
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_dense_linear_compiles_sm90a(out_dtype):
-    """Every token tile the dense linear picks, with the operands ``sm90_nvfp4_linear`` launches."""
+    """Every configuration the dense linear picks, with the operands ``sm90_nvfp4_linear`` launches."""
     from nvfp4_megamoe.kernels import sm90_nvfp4_linear
+    from nvfp4_megamoe.kernels.sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm
 
-    # bf16 out: the four token tiles; float32 out: K split too (16 CTAs unsplit: to 512 CTAs with 8-token tiles, to
-    # 256 with wider ones; halved at two token tiles, none from three)
-    assert sm90_nvfp4_linear.warmup(1024, 4096, "cpu", out_dtype) == (4 if out_dtype == torch.bfloat16 else 6)
-    assert [sm90_nvfp4_linear.linear_op(1024, 4096, t).bn for t in (1, 8, 9, 17, 33, 64, 5000)] == [8, 8, 16, 32, 64,
-                                                                                                      64, 64]
-    if out_dtype == torch.float32:
-        splits = [sm90_nvfp4_linear.linear_op(1024, 4096, t).k_splits for t in (1, 8, 9, 64, 65, 128, 129, 5000)]
-        assert splits == [32, 32, 16, 16, 8, 8, 1, 1]
-    # 128-row CTAs for the 32-token tile alone
-    assert [sm90_nvfp4_linear.linear_op(1024, 4096, t).row_tiles for t in (8, 16, 32, 64)] == [1, 1, 2, 1]
+    bf16 = out_dtype == torch.bfloat16
+    # bf16 out: the mma.sync kernel's four token tiles; float32 out: its 8- and 16-token tiles (K split), then the
+    # WGMMA kernel's 32-, 64- and 128-token tiles (K split), and longer calls' 128-token tiles unsplit
+    assert sm90_nvfp4_linear.warmup(1024, 4096, "cpu", out_dtype) == (4 if bf16 else 6)
+    ts = (1, 8, 9, 17, 31, 32, 33, 64, 65, 128, 129, 5000)
+    ops = [sm90_nvfp4_linear.linear_op(1024, 4096, t, bf16) for t in ts]
+    assert [isinstance(op, Sm90Nvfp4WgmmaGemm) for op in ops] == [not bf16 and t >= 32 for t in ts]
+    if bf16:
+        assert [op.bn for op in ops] == [8, 8, 16, 32, 32, 32, 64, 64, 64, 64, 64, 64]
+        assert {op.k_splits for op in ops} == {1}
+        # 128-row CTAs for the 32-token tile alone
+        assert [sm90_nvfp4_linear.linear_op(1024, 4096, t, True).row_tiles for t in (8, 16, 32, 64)] == [1, 1, 2, 1]
+    else:
+        assert [op.bn for op in ops] == [8, 8, 16, 32, 32, 32, 64, 64, 128, 128, 128, 128]
+        # 16 CTAs unsplit: to 512 with 8-token tiles, 256 with 16; the WGMMA tiles to 8 shares (4 k-tiles each)
+        assert [op.k_splits for op in ops] == [32, 32, 16, 16, 16, 8, 8, 8, 8, 8, 1, 1]
     assert sm90_nvfp4_linear.can_implement(1024, 4096) and not sm90_nvfp4_linear.can_implement(96, 256)
     with pytest.raises(ValueError, match="multiple"):  # the backend asks can_implement and keeps the reference
         sm90_nvfp4_linear.warmup(96, 256, "cpu")
@@ -163,7 +171,14 @@ def test_kernels_refuse_what_they_do_not_take():
     ok = GemmProblem(m=128, k=128, mode="scatter", b_order="staged")
     cases = [
         (Sm90Nvfp4WgmmaGemm, ok, WgmmaTiling(96, min_tokens=40), "min_tokens"),
-        (Sm90Nvfp4WgmmaGemm, GemmProblem(m=128, k=128, mode="store", b_order="staged"), WgmmaTiling(), "modes"),
+        (Sm90Nvfp4WgmmaGemm, GemmProblem(m=128, k=512, mode="store", b_order="staged", out_bf16=True),
+         WgmmaTiling(depth=2, k_splits=2), "k_splits"),   # shares add in float32 only
+        (Sm90Nvfp4WgmmaGemm, GemmProblem(m=128, k=512, mode="scatter", b_order="staged"),
+         WgmmaTiling(depth=2, k_splits=2), "k_splits"),
+        (Sm90Nvfp4WgmmaGemm, GemmProblem(m=128, k=768, mode="store", b_order="staged"),
+         WgmmaTiling(depth=2, k_splits=2), "depth"),      # 3 k-tiles a share
+        (Sm90Nvfp4WgmmaGemm, GemmProblem(m=128, k=512, mode="store", b_order="staged"),
+         WgmmaTiling(depth=2, l2_ahead=8, prefetch_next=132), "routed tiles"),
         (Sm90Nvfp4WgmmaGemm, ok, WgmmaTiling(24), "tile_tokens"),
         (Sm90Nvfp4WgmmaGemm, GemmProblem(m=192, k=128, mode="scatter", b_order="staged"), WgmmaTiling(), "multiple of"),
         (Sm90Nvfp4WgmmaGemm, GemmProblem(m=768, k=128, mode="scatter", b_order="staged"), WgmmaTiling(m_tiles=3),
@@ -255,10 +270,11 @@ def test_register_e2m1_decode_is_exact_for_every_code_in_every_slot():
 
 def test_every_dense_linear_configuration_is_valid():
     """For every dense NVFP4 linear of V4-Flash and V4-Pro (their ``flash-layer`` / ``pro-layer`` shapes) and every
-    token count a decode batch or a prefill chunk has, the heuristics' configuration is one the kernel takes; the
-    split and 128-row CTAs appear where the rules say."""
+    token count a decode batch or a prefill chunk has, the heuristics' configuration is one its kernel takes; the
+    family, the split and 128-row CTAs are where the rules say."""
+    from nvfp4_megamoe.kernels.sm90_config import WgmmaTiling
+    from nvfp4_megamoe.kernels.sm90_gemm_family import gemm_can_implement
     from nvfp4_megamoe.kernels.sm90_heuristics import linear_config
-    from nvfp4_megamoe.kernels.sm90_moe_gemm import Sm90Nvfp4MmaGemm
 
     import sys
     from pathlib import Path
@@ -266,21 +282,32 @@ def test_every_dense_linear_configuration_is_valid():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from linear_bench import dense_shapes
 
-    split = 0
+    split = wgmma = 0
     for preset in ("flash-layer", "pro-layer"):
         for name, n, k, groups in dense_shapes(preset):
             for t in (*range(1, 257), 1024, 4096):
-                tiling = linear_config(n, k, t, groups=groups).tiling
-                assert Sm90Nvfp4MmaGemm.can_implement(linear_config(n, k, t, groups=groups).problem, tiling), (
-                    preset, name, t, tiling)
+                config = linear_config(n, k, t, groups=groups)
+                tiling = config.tiling
+                assert gemm_can_implement(config), (preset, name, t, tiling)
                 bn, s = tiling.tile_tokens, tiling.k_splits
-                ctas = n * groups // 64 * -(-t // bn)
-                target = heur.LINEAR_SPLIT_CTAS_8 if bn == 8 else heur.LINEAR_SPLIT_CTAS
-                if t > 2 * 64:
-                    assert s == 1, (name, t)
-                else:  # the fewest shares that reach the target, or all that divide K
+                if isinstance(tiling, WgmmaTiling):
+                    assert t >= heur.LINEAR_WGMMA_MIN_TOKENS and bn == min(b for b in heur.LINEAR_WGMMA_TILES
+                                                                          if b >= min(t, 128))
+                    ctas = n * groups // (64 * tiling.warpgroups)
+                    if t > bn:
+                        assert s == 1, (name, t)
+                    else:  # the fewest shares that reach the target, or as many as keep LINEAR_WGMMA_MIN_SHARE each
+                        assert ctas * s >= heur.LINEAR_WGMMA_SPLIT_CTAS or k // (2 * s * 128) < heur.LINEAR_WGMMA_MIN_SHARE \
+                            or not heur.wgmma_fits_k(k // (2 * s)), (name, t, s)
+                        assert s == 1 or ctas * (s // 2) < heur.LINEAR_WGMMA_SPLIT_CTAS, (name, t, s)
+                    wgmma += 1
+                else:
+                    assert t < heur.LINEAR_WGMMA_MIN_TOKENS, (preset, name, t)  # every V4 shape tiles with WGMMA
+                    ctas = n * groups // 64 * -(-t // bn)
+                    target = heur.LINEAR_SPLIT_CTAS_8 if bn == 8 else heur.LINEAR_SPLIT_CTAS
+                    # the fewest shares that reach the target, or all that divide K
                     assert ctas * s >= target or (k // 128) % (2 * s), (name, t, s)
                     assert s == 1 or ctas * (s // 2) < target, (name, t, s)
+                    assert tiling.row_tiles == (2 if bn == 32 and n % 128 == 0 else 1)
                 split += s > 1
-                assert tiling.row_tiles == (2 if bn == 32 and n % 128 == 0 else 1)
-    assert split > 0
+    assert split > 0 and wgmma > 0

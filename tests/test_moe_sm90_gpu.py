@@ -297,6 +297,43 @@ def test_grouped_dense_linear(groups, n, kdim, t):
         assert rel_err(out[:, rows], ref) <= 1e-2, g
 
 
+@pytest.mark.parametrize("n,kdim,t,groups,bn,wgs,splits", [
+    (512, 4096, 45, 1, 64, 1, 8),      # K split, one partial token tile
+    (1024, 1024, 300, 1, 128, 2, 1),   # three token tiles, the last partial
+    (256, 2048, 32, 2, 32, 1, 4),      # two groups, K split
+    (384, 1536, 130, 3, 128, 1, 1),    # three groups, one warpgroup at N = 128, 12 k-tiles
+])
+def test_dense_linear_wgmma(n, kdim, t, groups, bn, wgs, splits):
+    """The WGMMA kernel in mode "store" (token tiles, groups, K shares) against the float32 reference, each group on
+    its own; the output row past the call's stays poisoned."""
+    from nvfp4_megamoe.kernels.cute_host import launch
+    from nvfp4_megamoe.kernels.k_order import to_order
+    from nvfp4_megamoe.kernels.sm90_config import GemmConfig, GemmProblem
+    from nvfp4_megamoe.kernels.sm90_gemm_family import gemm_kernel
+    from nvfp4_megamoe.kernels.sm90_heuristics import linear_wgmma_tiling
+    from nvfp4_megamoe.kernels.sm90_nvfp4_linear import _operands
+    from nvfp4_megamoe.kernels.swizzle import swizzled_row_slice
+
+    tiling = linear_wgmma_tiling(n, kdim, t, groups, tile_tokens=bn, warpgroups=wgs, k_splits=splits)
+    op = gemm_kernel(GemmConfig(GemmProblem(m=n, k=kdim, mode="store", b_order="staged", groups=groups), tiling))
+    gen = torch.Generator(device="cuda").manual_seed(n + t)
+    w = random_moe_weights(1, kdim, groups * n // 2, generator=gen, device="cuda", subnormal_fraction=0.02)
+    weight, scale, alpha = w["w13"][0], w["w13_scale"][0], w["w13_alpha"][0, 0].reshape(())
+    x = torch.randn(t, groups * kdim, device="cuda", generator=gen).to(torch.bfloat16)
+    out = torch.full((t + 1, groups * n), float("nan"), device="cuda")
+    if splits > 1:
+        out[:t].zero_()  # the shares add into it
+    launch(op, _operands(to_order(x, "staged"), weight, scale, alpha, out[:t]))
+    torch.cuda.synchronize()
+    assert out[t].isnan().all()
+    for g in range(groups):
+        rows = slice(g * n, (g + 1) * n)
+        ref = nvfp4_linear(x[:, g * kdim:(g + 1) * kdim], weight[rows],
+                           swizzled_row_slice(scale, groups * n, kdim // 16, g * n, (g + 1) * n), alpha)
+        assert torch.isfinite(out[:t, rows]).all(), g
+        assert rel_err(out[:t, rows], ref) <= 1e-2, g
+
+
 def test_no_call_compiles_after_warmup():
     """After ``warmup`` no token count up to ``max_tokens`` compiles (so a graph capture never does)."""
     from nvfp4_megamoe.kernels import cute_host
