@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from .sm90_config import ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, GemmConfig, GemmProblem, MmaTiling, MoePlan, MoeShape, WgmmaTiling
+from .sm90_config import (ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, GemmConfig, GemmProblem, MmaTiling, MoePlan,
+                          MoeShape, WgmmaTiling)
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)      # mma.sync token tiles
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
@@ -23,9 +24,10 @@ LINEAR_SPLIT_CTAS_8 = 1024                # ... this many with 8-token tiles (fe
 LINEAR_SPLIT_MAX_TILES = 2                # ... while they have at most this many token tiles
 LINEAR_TWO_ROW_TILES_TOKENS = 32          # dense linears' token tile that runs 128-row CTAs (x fragments reused 2x)
 LINEAR_WGMMA_MIN_TOKENS = 32             # dense linears (float32 out) from this many tokens run the WGMMA kernel ...
+LINEAR_WGMMA_NARROW_ROWS = 2048          # ... from twice as many where W has fewer rows (N x groups) than this ...
 LINEAR_WGMMA_TILES = (32, 64, 128)       # ... in token tiles of these N ...
-LINEAR_WGMMA_SPLIT_CTAS = 264            # ... K split until the grid reaches this many CTAs ...
-LINEAR_WGMMA_MIN_SHARE = 4               # ... while each share keeps this many k-tiles
+LINEAR_WGMMA_WORK = 16384                # ... one-tile calls on a grid of this many tokens' CTAs / N (K split) ...
+LINEAR_WGMMA_MIN_SHARE = 2               # ... while each share keeps this many k-tiles
 DIRECT_ONE_ROW_TILE_CTAS = 3              # direct calls with one row tile: CTAs per SM at most (PDL spread)
 WGMMA_WIDE_HIDDEN = 7168                  # layers this wide run two-warpgroup WGMMA CTAs from N = 64 ...
 WGMMA_TWO_GROUPS_MAX_TOKENS = 80          # ... with two m64 row groups a warpgroup up to this N
@@ -100,36 +102,45 @@ def linear_wgmma_tiling(n: int, k: int, tokens: int, groups: int = 1, *, tile_to
                         warpgroups: int | None = None, k_splits: int | None = None, sms: int = 132
                         ) -> WgmmaTiling | None:
     """The WGMMA tiling of a dense linear (``"store"``, x in the ``"staged"`` K order), or None where it does not
-    tile W. N: the smallest of ``LINEAR_WGMMA_TILES`` that holds the rows (longer calls run several 128-token tiles);
-    the CTA shape of the MoE's tile of that N (:func:`wgmma_tiling`), without the successor prefetch (there are no
-    routed tiles to follow). Calls of one token tile split K (float32 out) while the grid has fewer than
-    ``LINEAR_WGMMA_SPLIT_CTAS`` CTAs and each share keeps ``LINEAR_WGMMA_MIN_SHARE`` k-tiles or more; longer calls
-    fill the SMs with their token tiles. The keywords fix a choice (the benchmark's sweep)."""
+    tile W. N: the smallest of ``LINEAR_WGMMA_TILES`` that holds the rows (longer calls run several 128-token tiles),
+    the CTA shape of the MoE's tile of that N (:func:`wgmma_tiling`) without the successor prefetch (there are no
+    routed tiles to follow).
+
+    A call of one token tile is bound by its weight bytes: it wants about ``LINEAR_WGMMA_WORK / N`` CTAs streaming W
+    (fewer, larger shares as N grows). It runs 64-row CTAs (one warpgroup) unless 128-row CTAs alone reach twice that
+    grid, and splits K (float32 out) until the grid reaches it while each share keeps ``LINEAR_WGMMA_MIN_SHARE``
+    k-tiles. Longer calls are bound by the tensor cores: 128-row CTAs (two warpgroups reuse each staged x tile) where
+    W has 1024 rows or more, unsplit. The keywords fix a choice (the benchmark's sweep)."""
     bn = tile_tokens or smallest_tile(tokens, LINEAR_WGMMA_TILES)
-    base = wgmma_tiling(bn, 0, 0, k, sms)
-    wgs = warpgroups or base.warpgroups
-    rows = 64 * wgs
-    if n % rows or (groups > 1 and n % 128) or not wgmma_fits_k(k):
+    rows = n * groups
+    if warpgroups is None:
+        if tokens <= bn:
+            warpgroups = 2 if rows // 128 >= 2 * LINEAR_WGMMA_WORK // bn else 1
+        else:
+            warpgroups = 2 if rows >= 1024 else 1
+    if n % (64 * warpgroups) or (groups > 1 and n % 128) or not wgmma_fits_k(k):
         return None
     splits = k_splits or 1
     if k_splits is None and tokens <= bn:
-        ctas = n // rows * groups
-        while (ctas * splits < LINEAR_WGMMA_SPLIT_CTAS and k % (2 * splits * K_TILE) == 0
+        ctas = rows // (64 * warpgroups)
+        while (ctas * splits < LINEAR_WGMMA_WORK // bn and k % (2 * splits * K_TILE) == 0
                and k // (2 * splits * K_TILE) >= LINEAR_WGMMA_MIN_SHARE and wgmma_fits_k(k // (2 * splits))):
             splits *= 2
     if k % (splits * K_TILE) or not wgmma_fits_k(k // splits):
         return None
-    return replace(base, warpgroups=wgs, min_ctas=base.min_ctas if wgs == base.warpgroups else 3 - wgs,
+    base = wgmma_tiling(bn, 0, 0, k, sms)
+    min_ctas = base.min_ctas if warpgroups == base.warpgroups else 3 - warpgroups
+    return replace(base, warpgroups=warpgroups, min_ctas=min_ctas,
                    depth=fit_depth(k // K_TILE // splits, 4), prefetch_next=0, k_splits=splits)
 
 
 def linear_config(n: int, k: int, tokens: int, out_bf16: bool = False, groups: int = 1) -> GemmConfig:
-    """The dense NVFP4 linear for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K]. From
-    ``LINEAR_WGMMA_MIN_TOKENS`` tokens (float32 out) the WGMMA kernel where it tiles W (:func:`linear_wgmma_tiling`).
-    Otherwise the mma.sync kernel (``"store"``), the smallest token tile of 8..64 that holds the rows, K split per
-    :func:`pick_k_splits` over the 64-row CTAs (float32 out only: the shares are summed in ``out``); 32-token tiles in
-    128-row CTAs (``LINEAR_TWO_ROW_TILES_TOKENS``) where N allows, at the same split."""
-    if tokens >= LINEAR_WGMMA_MIN_TOKENS and not out_bf16:
+    """The dense NVFP4 linear for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K]: float32 out from
+    ``LINEAR_WGMMA_MIN_TOKENS`` tokens (twice that where W has fewer than ``LINEAR_WGMMA_NARROW_ROWS`` rows: the
+    permute of x into the kernel's order costs more than WGMMA saves on a small W) the WGMMA kernel where it tiles W
+    (:func:`linear_wgmma_tiling`), else the mma.sync kernel (:func:`linear_mma_config`)."""
+    narrow = n * groups < LINEAR_WGMMA_NARROW_ROWS
+    if tokens >= LINEAR_WGMMA_MIN_TOKENS * (2 if narrow else 1) and not out_bf16:
         tiling = linear_wgmma_tiling(n, k, tokens, groups)
         if tiling is not None:
             return GemmConfig(GemmProblem(m=n, k=k, mode="store", b_order="staged", groups=groups), tiling)
@@ -149,9 +160,12 @@ def linear_mma_config(n: int, k: int, tokens: int, out_bf16: bool = False, group
 def linear_token_counts() -> tuple[int, ...]:
     """Token counts that between them reach every configuration :func:`linear_config` picks for a weight."""
     mma = TILE_TOKEN_CHOICES + tuple(TILE_TOKEN_CHOICES[-1] * t for t in range(2, LINEAR_SPLIT_MAX_TILES + 2))
-    # each WGMMA tile as one call fills it, and a call of two 128-token tiles (no K split)
+    # below the WGMMA starts (wide and narrow weights): each mma.sync tile, and the calls just below each start
+    starts = (LINEAR_WGMMA_MIN_TOKENS, 2 * LINEAR_WGMMA_MIN_TOKENS)
+    mma = {t for t in mma if t < starts[-1]} | {start - 1 for start in starts}
+    # each WGMMA tile as one call fills it, and a call of two 128-token tiles (every longer call runs the same)
     wgmma = LINEAR_WGMMA_TILES + (2 * LINEAR_WGMMA_TILES[-1],)
-    return tuple(sorted({t for t in mma if t < LINEAR_WGMMA_MIN_TOKENS} | set(wgmma)))
+    return tuple(sorted(mma | set(wgmma)))
 
 
 # -- WGMMA (prefill) ------------------------------------------------------------------------------------------------

@@ -79,11 +79,13 @@ def test_dense_linear_compiles_sm90a(out_dtype):
     from nvfp4_megamoe.kernels.sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm
 
     bf16 = out_dtype == torch.bfloat16
-    # bf16 out: the mma.sync kernel's four token tiles; float32 out: its 8- and 16-token tiles (K split), then the
-    # WGMMA kernel's 32-, 64- and 128-token tiles (K split), and longer calls' 128-token tiles unsplit
-    assert sm90_nvfp4_linear.warmup(1024, 4096, "cpu", out_dtype) == (4 if bf16 else 6)
+    # bf16 out: the mma.sync kernel's four token tiles; float32 out on a wide W (2048 rows): its 8-, 16- and
+    # 32-token tiles (K split), then the WGMMA kernel's 32-, 64- and 128-token tiles (K split), and longer calls'
+    # 128-token tiles unsplit in 128-row CTAs
+    n = 1024 if bf16 else 2048
+    assert sm90_nvfp4_linear.warmup(n, 4096, "cpu", out_dtype) == (4 if bf16 else 7)
     ts = (1, 8, 9, 17, 31, 32, 33, 64, 65, 128, 129, 5000)
-    ops = [sm90_nvfp4_linear.linear_op(1024, 4096, t, bf16) for t in ts]
+    ops = [sm90_nvfp4_linear.linear_op(n, 4096, t, bf16) for t in ts]
     assert [isinstance(op, Sm90Nvfp4WgmmaGemm) for op in ops] == [not bf16 and t >= 32 for t in ts]
     if bf16:
         assert [op.bn for op in ops] == [8, 8, 16, 32, 32, 32, 64, 64, 64, 64, 64, 64]
@@ -92,8 +94,12 @@ def test_dense_linear_compiles_sm90a(out_dtype):
         assert [sm90_nvfp4_linear.linear_op(1024, 4096, t, True).row_tiles for t in (8, 16, 32, 64)] == [1, 1, 2, 1]
     else:
         assert [op.bn for op in ops] == [8, 8, 16, 32, 32, 32, 64, 64, 128, 128, 128, 128]
-        # 16 CTAs unsplit: to 512 with 8-token tiles, 256 with 16; the WGMMA tiles to 8 shares (4 k-tiles each)
-        assert [op.k_splits for op in ops] == [32, 32, 16, 16, 16, 8, 8, 8, 8, 8, 1, 1]
+        # 32 CTAs unsplit: to 1024 with 8-token tiles (all 32 k-tiles), 256 with 16 and 32; the WGMMA tiles to
+        # 16384 / N tokens' CTAs (512, 256, 128)
+        assert [op.k_splits for op in ops] == [32, 32, 8, 8, 8, 16, 8, 8, 4, 4, 1, 1]
+        assert [op.bm for op in ops[5:]] == [64] * 5 + [128] * 2
+    # a narrow W (1024 rows) runs mma.sync up to 64 tokens
+    assert not isinstance(sm90_nvfp4_linear.linear_op(1024, 4096, 63, bf16), Sm90Nvfp4WgmmaGemm)
     assert sm90_nvfp4_linear.can_implement(1024, 4096) and not sm90_nvfp4_linear.can_implement(96, 256)
     with pytest.raises(ValueError, match="multiple"):  # the backend asks can_implement and keeps the reference
         sm90_nvfp4_linear.warmup(96, 256, "cpu")
@@ -285,24 +291,29 @@ def test_every_dense_linear_configuration_is_valid():
     split = wgmma = 0
     for preset in ("flash-layer", "pro-layer"):
         for name, n, k, groups in dense_shapes(preset):
+            rows = n * groups
+            warmed = {linear_config(n, k, t, groups=groups) for t in heur.linear_token_counts()}
             for t in (*range(1, 257), 1024, 4096):
                 config = linear_config(n, k, t, groups=groups)
                 tiling = config.tiling
                 assert gemm_can_implement(config), (preset, name, t, tiling)
+                assert config in warmed, (preset, name, t)  # the load's warm-up compiled it
                 bn, s = tiling.tile_tokens, tiling.k_splits
+                start = heur.LINEAR_WGMMA_MIN_TOKENS * (2 if rows < heur.LINEAR_WGMMA_NARROW_ROWS else 1)
                 if isinstance(tiling, WgmmaTiling):
-                    assert t >= heur.LINEAR_WGMMA_MIN_TOKENS and bn == min(b for b in heur.LINEAR_WGMMA_TILES
-                                                                          if b >= min(t, 128))
-                    ctas = n * groups // (64 * tiling.warpgroups)
-                    if t > bn:
-                        assert s == 1, (name, t)
+                    assert t >= start and bn == min(b for b in heur.LINEAR_WGMMA_TILES if b >= min(t, 128))
+                    ctas = rows // (64 * tiling.warpgroups)
+                    target = heur.LINEAR_WGMMA_WORK // bn
+                    if t > bn:  # tensor-core bound: 128-row CTAs from 1024 rows, unsplit
+                        assert s == 1 and tiling.warpgroups == (2 if rows >= 1024 else 1), (name, t)
                     else:  # the fewest shares that reach the target, or as many as keep LINEAR_WGMMA_MIN_SHARE each
-                        assert ctas * s >= heur.LINEAR_WGMMA_SPLIT_CTAS or k // (2 * s * 128) < heur.LINEAR_WGMMA_MIN_SHARE \
+                        assert tiling.warpgroups == (2 if rows // 128 >= 2 * target else 1), (name, t)
+                        assert ctas * s >= target or k // (2 * s * 128) < heur.LINEAR_WGMMA_MIN_SHARE \
                             or not heur.wgmma_fits_k(k // (2 * s)), (name, t, s)
-                        assert s == 1 or ctas * (s // 2) < heur.LINEAR_WGMMA_SPLIT_CTAS, (name, t, s)
+                        assert s == 1 or ctas * (s // 2) < target, (name, t, s)
                     wgmma += 1
                 else:
-                    assert t < heur.LINEAR_WGMMA_MIN_TOKENS, (preset, name, t)  # every V4 shape tiles with WGMMA
+                    assert t < start, (preset, name, t)  # every V4 shape tiles with WGMMA
                     ctas = n * groups // 64 * -(-t // bn)
                     target = heur.LINEAR_SPLIT_CTAS_8 if bn == 8 else heur.LINEAR_SPLIT_CTAS
                     # the fewest shares that reach the target, or all that divide K
