@@ -3,9 +3,9 @@ chunk).
 
 Every dense NVFP4 linear of a V4 layer (``--preset``: the shapes of ``flash-layer`` or ``pro-layer``) and the head's
 shape, at T = 1, 8, 32, 64, 128 tokens (``--prefill``: also 2048): the kernel the heuristics pick
-(``sm90_heuristics.linear_config``: mma.sync below ``LINEAR_WGMMA_MIN_TOKENS``, WGMMA from there, its permute of x
-into the "staged" K order included), and with ``--sweep`` the alternatives the rules were chosen against (mma.sync
-K splits; from 32 tokens the mma.sync kernel's own pick and WGMMA warpgroups and K splits). Anchor:
+(``sm90_heuristics.linear_config``: mma.sync below the token tile of ``linear_wgmma_min_tile``, WGMMA from there,
+its permute of x into the "staged" K order included), and with ``--sweep`` the alternatives the rules were chosen
+against (mma.sync K splits; from 17 tokens the mma.sync kernel's own pick and WGMMA warpgroups and K splits). Anchor:
 ``torch`` BF16 ``x @ W.T`` (cuBLAS) of the same shape, which reads 3.6x the bytes.
 
 Each figure is a CUDA graph of ``--chain`` calls back to back, each on its own copy of the weights, replayed with
@@ -73,19 +73,19 @@ def wgmma_op(n: int, k: int, t: int, groups: int, tile_tokens: int, warpgroups: 
 
 
 def variants(n: int, k: int, t: int, groups: int, sweep: bool) -> dict:
-    """label -> kernel to time: the heuristics' pick first ("picked"); with ``sweep``, below
-    ``LINEAR_WGMMA_MIN_TOKENS`` the mma.sync kernel at every K split it takes, from there on the mma.sync kernel's
-    own pick ("mma") and the WGMMA kernel at the token tile the heuristics take, with one or two warpgroups and
-    1..16 K shares (1 or 2 for calls of several token tiles)."""
+    """label -> kernel to time: the heuristics' pick first ("picked"); with ``sweep``, below the
+    32-token tile (``LINEAR_WGMMA_MIN_TILE``) the mma.sync kernel at every K split it takes, from there on the
+    mma.sync kernel's own pick ("mma") and the WGMMA kernel at the token tile the heuristics take, with one or two
+    warpgroups and 1..16 K shares (1 or 2 for calls of several token tiles)."""
     from nvfp4_megamoe.kernels.sm90_config import K_TILE
-    from nvfp4_megamoe.kernels.sm90_heuristics import LINEAR_WGMMA_MIN_TOKENS, LINEAR_WGMMA_TILES, linear_mma_config
+    from nvfp4_megamoe.kernels.sm90_heuristics import LINEAR_WGMMA_MIN_TILE, LINEAR_WGMMA_TILES, linear_mma_config
     from nvfp4_megamoe.kernels.sm90_nvfp4_linear import linear_op
 
     found = {"picked": linear_op(n, k, t, groups=groups)}
     if not sweep:
         return found
     mma = linear_mma_config(n, k, t, groups=groups).tiling
-    if t < LINEAR_WGMMA_MIN_TOKENS:
+    if t <= LINEAR_WGMMA_MIN_TILE // 2:
         for s in dict.fromkeys([mma.k_splits, 1, 2, 4, 8, 16, 32]):
             if (k // K_TILE) % s == 0:
                 found[f"splits{s}"] = mma_op(n, k, t, groups, s, 1)

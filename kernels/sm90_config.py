@@ -86,7 +86,7 @@ class MmaTiling:
 @dataclass(frozen=True)
 class WgmmaTiling:
     """CTA shape and schedule of the WGMMA GEMM (``Sm90Nvfp4WgmmaGemm``): MoE prefill, dense linears from
-    ``sm90_heuristics.LINEAR_WGMMA_MIN_TOKENS`` tokens.
+    ``sm90_heuristics.LINEAR_WGMMA_MIN_TILE`` tokens.
 
     Attributes:
         tile_tokens: N, tokens per work tile (16..256, a multiple of 16).

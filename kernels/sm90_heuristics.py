@@ -23,8 +23,8 @@ LINEAR_SPLIT_CTAS = 256                   # dense linears split K until their CT
 LINEAR_SPLIT_CTAS_8 = 1024                # ... this many with 8-token tiles (few partial sums to add) ...
 LINEAR_SPLIT_MAX_TILES = 2                # ... while they have at most this many token tiles
 LINEAR_TWO_ROW_TILES_TOKENS = 32          # dense linears' token tile that runs 128-row CTAs (x fragments reused 2x)
-LINEAR_WGMMA_MIN_TOKENS = 32             # dense linears (float32 out) from this many tokens run the WGMMA kernel ...
-LINEAR_WGMMA_NARROW_ROWS = 2048          # ... from twice as many where W has fewer rows (N x groups) than this ...
+LINEAR_WGMMA_MIN_TILE = 32               # dense linears (float32 out) from this token tile on run the WGMMA kernel ...
+LINEAR_WGMMA_NARROW_ROWS = 2048          # ... from twice that tile where W has fewer rows (N x groups) than this ...
 LINEAR_WGMMA_TILES = (32, 64, 128)       # ... in token tiles of these N ...
 LINEAR_WGMMA_WORK = 16384                # ... one-tile calls on a grid of this many tokens' CTAs / N (K split) ...
 LINEAR_WGMMA_MIN_SHARE = 2               # ... while each share keeps this many k-tiles
@@ -135,16 +135,21 @@ def linear_wgmma_tiling(n: int, k: int, tokens: int, groups: int = 1, *, tile_to
 
 
 def linear_config(n: int, k: int, tokens: int, out_bf16: bool = False, groups: int = 1) -> GemmConfig:
-    """The dense NVFP4 linear for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K]: float32 out from
-    ``LINEAR_WGMMA_MIN_TOKENS`` tokens (twice that where W has fewer than ``LINEAR_WGMMA_NARROW_ROWS`` rows: the
-    permute of x into the kernel's order costs more than WGMMA saves on a small W) the WGMMA kernel where it tiles W
-    (:func:`linear_wgmma_tiling`), else the mma.sync kernel (:func:`linear_mma_config`)."""
-    narrow = n * groups < LINEAR_WGMMA_NARROW_ROWS
-    if tokens >= LINEAR_WGMMA_MIN_TOKENS * (2 if narrow else 1) and not out_bf16:
+    """The dense NVFP4 linear for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K]: float32 out, calls whose
+    mma.sync token tile is ``LINEAR_WGMMA_MIN_TILE`` or larger (twice that where W has fewer than
+    ``LINEAR_WGMMA_NARROW_ROWS`` rows: the permute of x into the kernel's order costs more than WGMMA saves on a
+    small W) run the WGMMA kernel where it tiles W (:func:`linear_wgmma_tiling`), the others the mma.sync kernel
+    (:func:`linear_mma_config`)."""
+    if not out_bf16 and smallest_tile(tokens, TILE_TOKEN_CHOICES) >= linear_wgmma_min_tile(n * groups):
         tiling = linear_wgmma_tiling(n, k, tokens, groups)
         if tiling is not None:
             return GemmConfig(GemmProblem(m=n, k=k, mode="store", b_order="staged", groups=groups), tiling)
     return linear_mma_config(n, k, tokens, out_bf16, groups)
+
+
+def linear_wgmma_min_tile(rows: int) -> int:
+    """The mma.sync token tile from which a dense linear of W with ``rows`` rows (N x groups) runs WGMMA."""
+    return LINEAR_WGMMA_MIN_TILE * (2 if rows < LINEAR_WGMMA_NARROW_ROWS else 1)
 
 
 def linear_mma_config(n: int, k: int, tokens: int, out_bf16: bool = False, groups: int = 1) -> GemmConfig:
@@ -158,14 +163,11 @@ def linear_mma_config(n: int, k: int, tokens: int, out_bf16: bool = False, group
 
 
 def linear_token_counts() -> tuple[int, ...]:
-    """Token counts that between them reach every configuration :func:`linear_config` picks for a weight."""
-    mma = TILE_TOKEN_CHOICES + tuple(TILE_TOKEN_CHOICES[-1] * t for t in range(2, LINEAR_SPLIT_MAX_TILES + 2))
-    # below the WGMMA starts (wide and narrow weights): each mma.sync tile, and the calls just below each start
-    starts = (LINEAR_WGMMA_MIN_TOKENS, 2 * LINEAR_WGMMA_MIN_TOKENS)
-    mma = {t for t in mma if t < starts[-1]} | {start - 1 for start in starts}
-    # each WGMMA tile as one call fills it, and a call of two 128-token tiles (every longer call runs the same)
-    wgmma = LINEAR_WGMMA_TILES + (2 * LINEAR_WGMMA_TILES[-1],)
-    return tuple(sorted(mma | set(wgmma)))
+    """Token counts that between them reach every configuration :func:`linear_config` picks for a weight: each
+    mma.sync tile below the narrow weights' WGMMA tile, each WGMMA tile as one call fills it, and a call of two
+    128-token tiles (every longer call runs the same)."""
+    mma = {t for t in TILE_TOKEN_CHOICES if t < 2 * LINEAR_WGMMA_MIN_TILE}
+    return tuple(sorted(mma | set(LINEAR_WGMMA_TILES) | {2 * LINEAR_WGMMA_TILES[-1]}))
 
 
 # -- WGMMA (prefill) ------------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ grouped projection such as ``wo_a``, each group its own slice of x's row).
 W4A16 like the MoE: ``x`` BF16, the weights decoded in registers, fp32 accumulation. Which kernel runs is
 :func:`~nvfp4_megamoe.kernels.sm90_heuristics.linear_config`'s pick: the mma.sync GEMM in mode ``"store"`` for
 few tokens (token tile and K split: a few tokens against a small W would otherwise leave most SMs idle), the WGMMA
-GEMM from ``LINEAR_WGMMA_MIN_TOKENS`` (float32 out), which reads x in the ``"staged"`` K order, so x is first
-permuted into a workspace (``Sm90StagedOrder``). :func:`can_implement` says which W [N, K] it tiles.
+GEMM from the 32-token tile on (64 on W of fewer than 2048 rows; float32 out), which reads x in the ``"staged"`` K
+order, so x is first permuted into a workspace (``Sm90StagedOrder``). :func:`can_implement` says which W [N, K] it tiles.
 """
 
 from __future__ import annotations

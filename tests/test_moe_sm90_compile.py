@@ -79,14 +79,14 @@ def test_dense_linear_compiles_sm90a(out_dtype):
     from nvfp4_megamoe.kernels.sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm
 
     bf16 = out_dtype == torch.bfloat16
-    # bf16 out: the mma.sync kernel's four token tiles; float32 out on a wide W (2048 rows): its 8-, 16- and
-    # 32-token tiles (K split), then the WGMMA kernel's 32-, 64- and 128-token tiles (K split), and longer calls'
-    # 128-token tiles unsplit in 128-row CTAs
+    # bf16 out: the mma.sync kernel's four token tiles; float32 out on a wide W (2048 rows): its 8- and 16-token
+    # tiles (K split), then the WGMMA kernel's 32-, 64- and 128-token tiles (K split), and longer calls' 128-token
+    # tiles unsplit in 128-row CTAs
     n = 1024 if bf16 else 2048
-    assert sm90_nvfp4_linear.warmup(n, 4096, "cpu", out_dtype) == (4 if bf16 else 7)
+    assert sm90_nvfp4_linear.warmup(n, 4096, "cpu", out_dtype) == (4 if bf16 else 6)
     ts = (1, 8, 9, 17, 31, 32, 33, 64, 65, 128, 129, 5000)
     ops = [sm90_nvfp4_linear.linear_op(n, 4096, t, bf16) for t in ts]
-    assert [isinstance(op, Sm90Nvfp4WgmmaGemm) for op in ops] == [not bf16 and t >= 32 for t in ts]
+    assert [isinstance(op, Sm90Nvfp4WgmmaGemm) for op in ops] == [not bf16 and t > 16 for t in ts]
     if bf16:
         assert [op.bn for op in ops] == [8, 8, 16, 32, 32, 32, 64, 64, 64, 64, 64, 64]
         assert {op.k_splits for op in ops} == {1}
@@ -94,12 +94,13 @@ def test_dense_linear_compiles_sm90a(out_dtype):
         assert [sm90_nvfp4_linear.linear_op(1024, 4096, t, True).row_tiles for t in (8, 16, 32, 64)] == [1, 1, 2, 1]
     else:
         assert [op.bn for op in ops] == [8, 8, 16, 32, 32, 32, 64, 64, 128, 128, 128, 128]
-        # 32 CTAs unsplit: to 1024 with 8-token tiles (all 32 k-tiles), 256 with 16 and 32; the WGMMA tiles to
-        # 16384 / N tokens' CTAs (512, 256, 128)
-        assert [op.k_splits for op in ops] == [32, 32, 8, 8, 8, 16, 8, 8, 4, 4, 1, 1]
-        assert [op.bm for op in ops[5:]] == [64] * 5 + [128] * 2
-    # a narrow W (1024 rows) runs mma.sync up to 64 tokens
-    assert not isinstance(sm90_nvfp4_linear.linear_op(1024, 4096, 63, bf16), Sm90Nvfp4WgmmaGemm)
+        # 32 CTAs unsplit: to 1024 with 8-token tiles (all 32 k-tiles), 256 with 16; the WGMMA tiles to 16384 / N
+        # tokens' CTAs (512, 256, 128)
+        assert [op.k_splits for op in ops] == [32, 32, 8, 16, 16, 16, 8, 8, 4, 4, 1, 1]
+        assert [op.bm for op in ops[3:]] == [64] * 7 + [128] * 2
+    # a narrow W (1024 rows) runs mma.sync up to 32 tokens, WGMMA from the 64-token tile
+    assert [isinstance(sm90_nvfp4_linear.linear_op(1024, 4096, t, bf16), Sm90Nvfp4WgmmaGemm)
+            for t in (32, 33)] == [False, not bf16]
     assert sm90_nvfp4_linear.can_implement(1024, 4096) and not sm90_nvfp4_linear.can_implement(96, 256)
     with pytest.raises(ValueError, match="multiple"):  # the backend asks can_implement and keeps the reference
         sm90_nvfp4_linear.warmup(96, 256, "cpu")
@@ -299,7 +300,7 @@ def test_every_dense_linear_configuration_is_valid():
                 assert gemm_can_implement(config), (preset, name, t, tiling)
                 assert config in warmed, (preset, name, t)  # the load's warm-up compiled it
                 bn, s = tiling.tile_tokens, tiling.k_splits
-                start = heur.LINEAR_WGMMA_MIN_TOKENS * (2 if rows < heur.LINEAR_WGMMA_NARROW_ROWS else 1)
+                start = heur.LINEAR_WGMMA_MIN_TILE * (2 if rows < heur.LINEAR_WGMMA_NARROW_ROWS else 1) // 2 + 1
                 if isinstance(tiling, WgmmaTiling):
                     assert t >= start and bn == min(b for b in heur.LINEAR_WGMMA_TILES if b >= min(t, 128))
                     ctas = rows // (64 * tiling.warpgroups)
