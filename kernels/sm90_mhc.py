@@ -1,27 +1,30 @@
-"""SM90 (sm_90a) kernel for the mHC mixing weights of each token (``mhc_reference.hc_weights``).
+"""SM90 (sm_90a) kernel for the mHC ``hc_pre`` of each token (``mhc_reference.hc_pre``) but its product by ``fn``.
 
 Per token the weights are a few dozen numbers (``(2 + hc) * hc`` mixes in, ``hc`` pre, ``hc`` post and
 an ``hc x hc`` doubly-stochastic comb out), but the reference reaches them through about 150 small torch
 ops per ``hc_pre`` (sigmoids, a softmax, then ``iters - 1`` rounds of row and column sums and divisions), each
-a launch on the GPU. Here one thread computes one token's weights entirely in registers, so the whole
-chain is one launch. Same formulas in float32; ``exp`` is ``ex2.approx`` of ``x * log2(e)`` (a few ulp
-from torch's), and each row or column is multiplied by the reciprocal of its sum: one thread runs the whole chain,
-and dividing took an IEEE division (``div.rn.f32``, a branchy sequence that does not overlap the next) per
-element, 640 a token at V4's 20 Sinkhorn rounds, against 168 reciprocals.
+a launch on the GPU, and the RMS norm before and the collapse after are seven more. Here one CTA per token sums
+the squares of its streams, one of its threads computes the weights entirely in registers, and all of them collapse
+the streams with ``pre``: one launch after cuBLAS's ``x @ fn.T``. Same formulas in float32 (the norm's scalar
+multiplies the products instead of the streams); ``exp`` is ``ex2.approx`` of ``x * log2(e)`` (a few ulp from
+torch's), and each row or column is multiplied by the reciprocal of its sum: one thread runs the whole chain, and
+dividing took an IEEE division (``div.rn.f32``, a branchy sequence that does not overlap the next) per element, 640
+a token at V4's 20 Sinkhorn rounds, against 168 reciprocals.
 """
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32
+from cutlass import Float32, Int64
 
 from . import sm90_ptx as ptx
 from .sm90_ptx import LOG2E
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 
-THREADS = 128
 MAX_HC = 8                             # streams per token the kernel unrolls (V4: 4)
+PRE_THREADS = 1024                     # Sm90HcPre: threads of a token's CTA (V4-Flash: one 16-byte load a stream)
 
 
 def _exp(x: Float32) -> Float32:
@@ -40,103 +43,171 @@ def _sum(values: list) -> Float32:
     return total
 
 
-class Sm90HcWeights:
-    """``hc_weights`` for one (hc, iters, hc_eps); one thread per token.
+def _weights(mixes: list, mBase, mScale, *, hc: int, iters: int, eps: float) -> tuple[list, list, list]:
+    """One token's (pre, post, comb) from its ``(2 + hc) * hc`` mixes, in registers (unrolled)."""
+    eps = Float32(eps)
+    s0, s1, s2 = mScale[0], mScale[1], mScale[2]
+    pre = [_sigmoid(mixes[i] * s0 + mBase[i]) + eps for i in range(hc)]
+    post = [Float32(2.0) * _sigmoid(mixes[hc + i] * s1 + mBase[hc + i]) for i in range(hc)]
+    comb = []
+    for i in range(hc):  # softmax of each row of logits, + eps
+        row = [mixes[2 * hc + i * hc + j] * s2 + mBase[2 * hc + i * hc + j] for j in range(hc)]
+        mx = row[0]
+        for j in range(1, hc):
+            mx = cute.arch.fmax(mx, row[j])
+        e = [_exp(v - mx) for v in row]
+        inv = Float32(1.0) / _sum(e)
+        comb.append([v * inv + eps for v in e])
+    comb = _normalise_columns(comb, eps)
+    for _ in range(iters - 1):
+        comb = _normalise_columns(_normalise_rows(comb, eps), eps)
+    return pre, post, comb
 
-    Operands: ``mixes`` f32 [N, (2+hc)*hc], ``base`` f32 [(2+hc)*hc], ``scale`` f32 [3], ``pre`` f32
-    [N, hc], ``post`` f32 [N, hc], ``comb`` f32 [N, hc*hc] (row-major hc x hc), all contiguous.
+
+def _store_weights(pre: list, post: list, comb: list, mPre, mPost, mComb, t) -> None:
+    hc = len(pre)
+    for i in range(hc):
+        mPre[t, i] = pre[i]
+        mPost[t, i] = post[i]
+        for j in range(hc):
+            mComb[t, i * hc + j] = comb[i][j]
+
+
+def _normalise_rows(c: list, eps: Float32) -> list:
+    out = []
+    for row in c:
+        inv = Float32(1.0) / (_sum(row) + eps)
+        out.append([v * inv for v in row])
+    return out
+
+
+def _normalise_columns(c: list, eps: Float32) -> list:
+    hc = len(c)
+    invs = [Float32(1.0) / (_sum([row[j] for row in c]) + eps) for j in range(hc)]
+    return [[c[i][j] * invs[j] for j in range(hc)] for i in range(hc)]
+
+
+class Sm90HcPre:
+    """The whole ``hc_pre`` of a token but the product by ``fn``: one CTA per token sums the squares of its
+    streams, scales the raw products ``x @ fn.T`` by the RMS norm's reciprocal (the norm is one scalar per token, so
+    it commutes with the product), runs the weights' chain (one thread, in registers) and collapses the
+    streams with ``pre``. Replaces the norm's and the collapse's seven torch launches.
+
+    Operands: ``x`` f32 [N, hc*H] (each token's streams, contiguous, 16-byte aligned, H a multiple of 4), ``mm`` f32 [N, (2+hc)*hc], ``base`` f32
+    [(2+hc)*hc], ``scale`` f32 [3], ``out`` f32 [N, H], ``pre`` f32 [N, hc], ``post`` f32 [N, hc], ``comb`` f32
+    [N, hc*hc].
     """
 
     @staticmethod
-    def can_implement(hc: int) -> bool:
-        """Whether the kernel unrolls ``hc`` streams per token."""
-        return 1 <= hc <= MAX_HC
+    def can_implement(hc: int, hidden: int) -> bool:
+        """Whether the kernel takes ``hc`` streams (it unrolls them) of ``hidden`` (16-byte loads) per token."""
+        return 1 <= hc <= MAX_HC and hidden % 4 == 0
 
-    def __init__(self, *, hc: int, iters: int, hc_eps: float):
-        if not self.can_implement(hc) or iters < 1:
+    def __init__(self, *, hc: int, iters: int, hc_eps: float, norm_eps: float):
+        if not 1 <= hc <= MAX_HC or iters < 1:
             raise ValueError(f"hc must be in [1, {MAX_HC}] and iters >= 1, got hc={hc}, iters={iters}")
-        self.hc, self.iters, self.eps = hc, iters, float(hc_eps)
+        self.hc, self.iters, self.eps, self.norm_eps = hc, iters, float(hc_eps), float(norm_eps)
 
     def key(self) -> tuple:
-        return (self.hc, self.iters, self.eps)
+        return (self.hc, self.iters, self.eps, self.norm_eps)
 
     @cute.jit
-    def __call__(self, mMix: cute.Tensor, mBase: cute.Tensor, mScale: cute.Tensor, mPre: cute.Tensor,
-                 mPost: cute.Tensor, mComb: cute.Tensor, stream):
-        self.kernel(mMix, mBase, mScale, mPre, mPost, mComb).launch(
-            grid=[(mMix.shape[0] + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream)
+    def __call__(self, mX: cute.Tensor, mMM: cute.Tensor, mBase: cute.Tensor, mScale: cute.Tensor,
+                 mOut: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor, stream):
+        self.kernel(mX, mMM, mBase, mScale, mOut, mPre, mPost, mComb).launch(
+            grid=[mX.shape[0], 1, 1], block=[PRE_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mMix: cute.Tensor, mBase: cute.Tensor, mScale: cute.Tensor, mPre: cute.Tensor,
-               mPost: cute.Tensor, mComb: cute.Tensor):
+    def kernel(self, mX: cute.Tensor, mMM: cute.Tensor, mBase: cute.Tensor, mScale: cute.Tensor,
+               mOut: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, _, _ = cute.arch.block_idx()
-        t = bx * THREADS + tidx
-        if t < mMix.shape[0]:
-            self.token(mMix, mBase, mScale, mPre, mPost, mComb, t)
-
-    def token(self, mMix, mBase, mScale, mPre, mPost, mComb, t) -> None:
-        hc, eps = self.hc, Float32(self.eps)
-        s0, s1, s2 = mScale[0], mScale[1], mScale[2]
-        for i in range(hc):
-            mPre[t, i] = _sigmoid(mMix[t, i] * s0 + mBase[i]) + eps
-            mPost[t, i] = Float32(2.0) * _sigmoid(mMix[t, hc + i] * s1 + mBase[hc + i])
-        comb = []
-        for i in range(hc):  # softmax of each row of logits, + eps
-            row = [mMix[t, 2 * hc + i * hc + j] * s2 + mBase[2 * hc + i * hc + j] for j in range(hc)]
-            mx = row[0]
-            for j in range(1, hc):
-                mx = cute.arch.fmax(mx, row[j])
-            e = [_exp(v - mx) for v in row]
-            inv = Float32(1.0) / _sum(e)
-            comb.append([v * inv + eps for v in e])
-        comb = self.normalise_columns(comb)
-        for _ in range(self.iters - 1):
-            comb = self.normalise_rows(comb)
-            comb = self.normalise_columns(comb)
-        for i in range(hc):
-            for j in range(hc):
-                mComb[t, i * hc + j] = comb[i][j]
-
-    def normalise_rows(self, c: list) -> list:
-        eps = Float32(self.eps)
-        out = []
-        for row in c:
-            inv = Float32(1.0) / (_sum(row) + eps)
-            out.append([v * inv for v in row])
-        return out
-
-    def normalise_columns(self, c: list) -> list:
-        eps = Float32(self.eps)
+        t, _, _ = cute.arch.block_idx()
         hc = self.hc
-        invs = [Float32(1.0) / (_sum([row[j] for row in c]) + eps) for j in range(hc)]
-        return [[c[i][j] * invs[j] for j in range(hc)] for i in range(hc)]
+        n_warps = PRE_THREADS // 32
+        width = mX.shape[1]
+        h = mOut.shape[1]
+        smem = cutlass.memory.SmemAllocator()
+        sb = smem.allocate_array(Float32, n_warps + MAX_HC, byte_alignment=16).toint()
+        s_pre = sb + n_warps * 4
+        x_row = mX.iterator.toint() + Int64(t) * Int64(width) * 4
+        # 1. the sum of squares of the token's hc * H values, 16 bytes a load (all of a thread's loads in flight)
+        ss = Float32(0.0)
+        for c in cutlass.range(tidx, width // 4, PRE_THREADS, unroll=4):
+            v = ptx.ld_global_v4_f32(x_row + Int64(c) * 16)
+            ss = ss + v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3]
+        for sh in cutlass.range_constexpr(5):
+            ss = ss + cute.arch.shuffle_sync_bfly(ss, 1 << sh)
+        if tidx % 32 == 0:
+            ptx.st_shared_f32(sb + (tidx // 32) * 4, ss)
+        cute.arch.sync_threads()
+        # 2. one thread: the mixes (raw products over the RMS), the weights, pre into shared memory
+        if tidx == 0:
+            total = ptx.ld_shared_f32(sb)
+            for w in cutlass.range_constexpr(1, n_warps):
+                total = total + ptx.ld_shared_f32(sb + w * 4)
+            self.token(mMM, mBase, mScale, mPre, mPost, mComb, t,
+                       cute.math.rsqrt(total / Float32(width) + Float32(self.norm_eps)), s_pre)
+        cute.arch.sync_threads()
+        # 3. the collapse: out = sum_i pre_i x_i
+        pre = cute.make_rmem_tensor((hc,), Float32)
+        for i in cutlass.range_constexpr(hc):
+            pre[i] = ptx.ld_shared_f32(s_pre + i * 4)
+        out_row = mOut.iterator.toint() + Int64(t) * Int64(h) * 4
+        for c in cutlass.range(tidx, h // 4, PRE_THREADS, unroll=1):
+            v = ptx.ld_global_v4_f32(x_row + Int64(c) * 16)
+            acc = cute.make_rmem_tensor((4,), Float32)
+            for e in cutlass.range_constexpr(4):
+                acc[e] = pre[0] * v[e]
+            for i in cutlass.range_constexpr(1, hc):
+                v = ptx.ld_global_v4_f32(x_row + (Int64(i) * Int64(h) + Int64(c) * 4) * 4)
+                for e in cutlass.range_constexpr(4):
+                    acc[e] = acc[e] + pre[i] * v[e]
+            ptx.st_global_v2_f32(out_row + Int64(c) * 16, acc[0], acc[1])
+            ptx.st_global_v2_f32(out_row + Int64(c) * 16 + 8, acc[2], acc[3])
+
+    def token(self, mMM, mBase, mScale, mPre, mPost, mComb, t, r, s_pre) -> None:
+        """One thread: the token's mixes (its raw products times the RMS norm's reciprocal ``r``), its weights,
+        and ``pre`` into shared memory at ``s_pre`` for the collapse (traced unrolled: plain Python loops)."""
+        hc = self.hc
+        pre, post, comb = _weights([mMM[t, i] * r for i in range((2 + hc) * hc)], mBase, mScale,
+                                   hc=hc, iters=self.iters, eps=self.eps)
+        _store_weights(pre, post, comb, mPre, mPost, mComb, t)
+        for i in range(hc):
+            ptx.st_shared_f32(s_pre + i * 4, pre[i])
 
 
-def sm90_hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc: int, iters: int,
-                    hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``mhc_reference.hc_weights`` on the GPU: mixes f32 [..., (2+hc)*hc] -> (pre [..., hc], post
-    [..., hc], comb [..., hc, hc]) in one launch."""
-    lead, m = mixes.shape[:-1], mixes.shape[-1]
-    _expect(m == (2 + hc) * hc and mixes.is_cuda, f"mixes must be CUDA [..., (2+hc)*hc = {(2 + hc) * hc}], got {tuple(mixes.shape)}")
-    flat = mixes.float().reshape(-1, m).contiguous()
+def sm90_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
+                hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``mhc_reference.hc_pre`` on the GPU: streams x [..., hc, H] -> (sublayer input [..., H], post [..., hc], comb
+    [..., hc, hc]), all float32: the product by ``fn`` (cuBLAS), then one launch."""
+    *lead, hc, h = x.shape
+    m = (2 + hc) * hc
+    _expect(x.is_cuda and tuple(fn.shape) == (m, hc * h), f"x must be CUDA [..., hc, H] and fn [(2+hc)*hc = {m}, "
+            f"hc*H], got x {tuple(x.shape)}, fn {tuple(fn.shape)}")
+    _expect(Sm90HcPre.can_implement(hc, h), f"x must have 1..{MAX_HC} streams of a width divisible by 4, got "
+            f"{tuple(x.shape)}")
+    flat = x.float().reshape(-1, hc * h).contiguous()   # a copy only of the embedding's broadcast streams
+    if flat.data_ptr() % 16:                             # a view at an odd offset: the kernel loads 16 bytes
+        flat = flat.clone()
     n = flat.shape[0]
-    pre = torch.empty(n, hc, dtype=torch.float32, device=mixes.device)
+    mm = flat @ fn.float().T
+    out = torch.empty(n, h, dtype=torch.float32, device=x.device)
+    pre = torch.empty(n, hc, dtype=torch.float32, device=x.device)
     post = torch.empty_like(pre)
-    comb = torch.empty(n, hc * hc, dtype=torch.float32, device=mixes.device)
+    comb = torch.empty(n, hc * hc, dtype=torch.float32, device=x.device)
     if n:
         # the reference runs the first column normalisation whatever ``iters``: 0 rounds of Sinkhorn after it == 1
-        _launch(Sm90HcWeights(hc=hc, iters=max(iters, 1), hc_eps=hc_eps),
-                [flat, base.float().contiguous(), scale.float().contiguous(), pre, post, comb])
-    return pre.view(*lead, hc), post.view(*lead, hc), comb.view(*lead, hc, hc)
+        _launch(Sm90HcPre(hc=hc, iters=max(iters, 1), hc_eps=hc_eps, norm_eps=norm_eps),
+                [flat, mm, base.float().contiguous(), scale.float().contiguous(), out, pre, post, comb])
+    return out.view(*lead, h), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 
-def warmup(hc: int, iters: int, hc_eps: float, device) -> int:
-    """Compile the kernel :func:`sm90_hc_weights` launches for these settings; returns 1."""
+def warmup(hc: int, iters: int, hc_eps: float, norm_eps: float, device) -> int:
+    """Compile the kernel :func:`sm90_hc_pre` launches for these settings; returns 1."""
     m = (2 + hc) * hc
     f32 = dict(dtype=torch.float32, device=device)
-    _compile(Sm90HcWeights(hc=hc, iters=max(iters, 1), hc_eps=hc_eps),
-             [torch.empty(1, m, **f32), torch.empty(m, **f32), torch.empty(3, **f32), torch.empty(1, hc, **f32),
-              torch.empty(1, hc, **f32), torch.empty(1, hc * hc, **f32)])
+    _compile(Sm90HcPre(hc=hc, iters=max(iters, 1), hc_eps=hc_eps, norm_eps=norm_eps),
+             [torch.empty(1, hc * 16, **f32), torch.empty(1, m, **f32), torch.empty(m, **f32), torch.empty(3, **f32),
+              torch.empty(1, 16, **f32), torch.empty(1, hc, **f32), torch.empty(1, hc, **f32),
+              torch.empty(1, hc * hc, **f32)])
     return 1
-

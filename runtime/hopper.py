@@ -11,8 +11,9 @@ the PyTorch references everywhere else.
   compiled at the first call; BF16 query and keys;
 * the decode state (ring, compressed entries, indexer keys) is kept in BF16 (``state_dtype``), the
   dtype these kernels read, so no step converts it;
-* mHC weights before each sublayer (``hc_pre``): :func:`~nvfp4_megamoe.kernels.sm90_mhc.sm90_hc_weights`,
-  one launch for the sigmoids, softmax and Sinkhorn rounds (155 torch calls per reference ``hc_pre``);
+* mHC before each sublayer (``hc_pre``): :func:`~nvfp4_megamoe.kernels.sm90_mhc.sm90_hc_pre`, the product by
+  ``fn`` and one launch for the RMS norm, the sigmoids, softmax and Sinkhorn rounds and the collapse (about 160
+  torch calls per reference ``hc_pre``);
 * dense NVFP4 linears (attention projections, shared experts, ``wo_a`` with all its groups in one launch):
   :func:`~nvfp4_megamoe.kernels.sm90_nvfp4_linear.sm90_nvfp4_linear` (W4A16, float32 out) where it tiles the
   weight (``can_implement``; ``wo_a``: 128-row groups, so each group's scales are whole swizzle atoms); FP8 and
@@ -207,15 +208,12 @@ class HopperBackend(ReferenceBackend):
     # -- mHC ---------------------------------------------------------------------------------------
     def hc_pre(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
                iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from nvfp4_megamoe.kernels import mhc_reference
-        from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcWeights, sm90_hc_weights
+        from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPre, sm90_hc_pre
 
-        if not (x.is_cuda and Sm90HcWeights.can_implement(x.shape[-2])):
+        if not (x.is_cuda and Sm90HcPre.can_implement(x.shape[-2], x.shape[-1])):
             return super().hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
-        pre, post, comb = sm90_hc_weights(mhc_reference.hc_mixes(x, fn, norm_eps), base, scale, hc=x.shape[-2],
-                                          iters=iters, hc_eps=hc_eps)
         self.kernel_calls["hc_pre"] += 1
-        return mhc_reference.hc_collapse(x, pre), post, comb
+        return sm90_hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
 
     # -- decode indexer top-k ----------------------------------------------------------------------------------
     def indexer_topk(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,
@@ -328,8 +326,8 @@ class HopperBackend(ReferenceBackend):
             for w in _nvfp4_linears(lw):
                 groups = cfg.o_groups if w is a.wo_a else 1
                 self._linear_ready(w.weight.shape[0] // groups, 2 * w.weight.shape[1], dev, groups)
-        if sm90_mhc.Sm90HcWeights.can_implement(cfg.hc_mult):
-            sm90_mhc.warmup(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, dev)
+        if sm90_mhc.Sm90HcPre.can_implement(cfg.hc_mult, cfg.hidden_size):
+            sm90_mhc.warmup(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, dev)
         ratios = {lw.attn.compress_ratio for lw in layers}
         if sm90_decode_attention.Sm90DecodeAttention.can_implement(cfg.num_heads, cfg.head_dim):
             # CSA and HCA both pass -1-padded indices (HCA: every valid row of its fixed-size store)

@@ -37,9 +37,9 @@ def moe_gemm_args(h: int, i: int, e: int = 2, t: int = 3, top_k: int = 6
             [w2, s2, torch.zeros(e), hbuf, tok, wts, tiles, ntiles, torch.zeros(t, h), torch.zeros(t, h)])
 
 
-def hc_weights_args(hc: int, n: int = 5) -> list[torch.Tensor]:
-    """mixes, base, scale, pre, post, comb of ``Sm90HcWeights`` for ``n`` tokens."""
+def hc_pre_args(hc: int, h: int = 64, n: int = 5) -> list[torch.Tensor]:
+    """x, mm, base, scale, out, pre, post, comb of ``Sm90HcPre`` for ``n`` tokens of ``hc`` streams of ``h``."""
     m = (2 + hc) * hc
-    return [torch.zeros(n, m), torch.zeros(m), torch.zeros(3), torch.zeros(n, hc), torch.zeros(n, hc),
-            torch.zeros(n, hc * hc)]
+    return [torch.zeros(n, hc * h), torch.zeros(n, m), torch.zeros(m), torch.zeros(3), torch.zeros(n, h),
+            torch.zeros(n, hc), torch.zeros(n, hc), torch.zeros(n, hc * hc)]
 
