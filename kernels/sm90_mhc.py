@@ -107,6 +107,7 @@ class Sm90HcPre:
         if not 1 <= hc <= MAX_HC or iters < 1:
             raise ValueError(f"hc must be in [1, {MAX_HC}] and iters >= 1, got hc={hc}, iters={iters}")
         self.hc, self.iters, self.eps, self.norm_eps = hc, iters, float(hc_eps), float(norm_eps)
+        self.threads = PRE_THREADS
 
     def key(self) -> tuple:
         return (self.hc, self.iters, self.eps, self.norm_eps)
@@ -115,7 +116,7 @@ class Sm90HcPre:
     def __call__(self, mX: cute.Tensor, mMM: cute.Tensor, mBase: cute.Tensor, mScale: cute.Tensor,
                  mOut: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor, stream):
         self.kernel(mX, mMM, mBase, mScale, mOut, mPre, mPost, mComb).launch(
-            grid=[mX.shape[0], 1, 1], block=[PRE_THREADS, 1, 1], stream=stream)
+            grid=[mX.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mMM: cute.Tensor, mBase: cute.Tensor, mScale: cute.Tensor,
