@@ -17,7 +17,8 @@ def family(config: GemmConfig) -> type[Gemm]:
 
 
 def gemm_kernel(config: GemmConfig) -> Gemm:
-    """The kernel object of a GEMM configuration (the kernel checks it: ``KernelArgumentError`` if it does not take it)."""
+    """The kernel object of a GEMM configuration (the kernel checks it: ``KernelArgumentError`` if it does not take
+    it)."""
     return family(config)(config.problem, config.tiling)
 
 

@@ -93,9 +93,9 @@ class Sm90HcPre:
     it commutes with the product), runs the weights' chain (one thread, in registers) and collapses the
     streams with ``pre``. Replaces the norm's and the collapse's seven torch launches.
 
-    Operands: ``x`` f32 [N, hc*H] (each token's streams, contiguous, 16-byte aligned, H a multiple of 4), ``mm`` f32 [N, (2+hc)*hc], ``base`` f32
-    [(2+hc)*hc], ``scale`` f32 [3], ``out`` f32 [N, H], ``pre`` f32 [N, hc], ``post`` f32 [N, hc], ``comb`` f32
-    [N, hc*hc].
+    Operands: ``x`` f32 [N, hc*H] (each token's streams, contiguous, 16-byte aligned, H a multiple of 4), ``mm``
+    f32 [N, (2+hc)*hc], ``base`` f32 [(2+hc)*hc], ``scale`` f32 [3], ``out`` f32 [N, H], ``pre`` f32 [N, hc],
+    ``post`` f32 [N, hc], ``comb`` f32 [N, hc*hc].
     """
 
     @staticmethod

@@ -5,7 +5,8 @@ W4A16 like the MoE: ``x`` BF16, the weights decoded in registers, fp32 accumulat
 :func:`~nvfp4_megamoe.kernels.sm90_heuristics.linear_config`'s pick: the mma.sync GEMM in mode ``"store"`` for
 few tokens (token tile and K split: a few tokens against a small W would otherwise leave most SMs idle), the WGMMA
 GEMM from the 32-token tile on (64 on W of fewer than 2048 rows; float32 out), which reads x in the ``"staged"`` K
-order, so x is first permuted into a workspace (``Sm90StagedOrder``). :func:`can_implement` says which W [N, K] it tiles.
+order, so x is first permuted into a workspace (``Sm90StagedOrder``). :func:`can_implement` says which W [N, K] it
+tiles.
 """
 
 from __future__ import annotations
