@@ -120,8 +120,8 @@ class KeptBytes:
     """A budget of bytes kept for hashing, shared by the shards of one conversion. Taking never waits: a copy that
     does not fit is not made (waiting could stall the pieces whose writes the hash itself waits for)."""
 
-    def __init__(self, total: int | None = None):
-        self.free = KEEP_BYTES if total is None else total
+    def __init__(self, total: int = KEEP_BYTES):
+        self.free = total
         self.lock = threading.Lock()
 
     def take(self, n: int) -> bool:
