@@ -7,10 +7,7 @@ Output shards. Workers fill a shard out of order (each piece at its own offsets)
 sha256 must run front to back. :class:`PrefixHash` tracks which byte ranges are final and hashes
 the file's complete prefix as it grows, on a hash thread, straight from the page cache through
 a read-only mapping of its own descriptor (so it outlives the writer's, and the rename; no copy), or,
-for a shard written with ``O_DIRECT`` (:mod:`.direct_io`), from copies of the bytes the writer kept
-(:meth:`PrefixHash.keep`, up to a budget shared by all shards: :class:`KeptBytes`) and by direct reads
-of its descriptor for the rest. Reading a shard back doubles the disk's traffic and made the hash, one
-thread per shard, the end of a conversion; kept bytes are hashed from memory once the prefix reaches them.
+for a shard written with ``O_DIRECT`` (:mod:`.direct_io`), by direct reads of its descriptor.
 The writer gives a shard its full size before the first byte, so the mapping covers it all. The ranges it
 is told about are final when marked complete (a piece marks its ranges once it has written them),
 so the digest is exactly that of the finished file.
@@ -32,17 +29,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
-
 from .direct_io import DirectFile
 from .timing import stage
 
 HASH_CHUNK = 8 * 1024 * 1024
-# Bytes of O_DIRECT shards kept in memory until their shard's hash reaches them. A unit's outputs lie in the file as
-# weight, scale, alpha: the hash follows the weights as their pieces finish (the out-of-order stretch is about one
-# piece per worker), and the scales of the whole unit wait for it (an eighth of its weights: 64 MiB for a V4-Flash
-# layer's w13). Past the budget a range is read back from the disk instead.
-KEEP_BYTES = 192 * 2**20
 
 
 def hash_threads() -> int:
@@ -116,40 +106,16 @@ def hashed_ahead(path: str | Path) -> str | None:
     return sha if stamp is not None and stamp == file_stamp(path) else None
 
 
-class KeptBytes:
-    """A budget of bytes kept for hashing, shared by the shards of one conversion. Taking never waits: a copy that
-    does not fit is not made (waiting could stall the pieces whose writes the hash itself waits for)."""
-
-    def __init__(self, total: int = KEEP_BYTES):
-        self.free = total
-        self.lock = threading.Lock()
-
-    def take(self, n: int) -> bool:
-        with self.lock:
-            if n > self.free:
-                return False
-            self.free -= n
-            return True
-
-    def give(self, n: int) -> None:
-        with self.lock:
-            self.free += n
-
-
 class PrefixHash:
     """sha256 of the file behind ``fd`` (duplicated here), whose first ``header`` bytes are final from the start
     and whose other bytes become final in ranges (:meth:`complete`) that tile the rest of it, in any order.
 
     At most one catch-up task per file waits in ``pool`` (it hashes to wherever the complete prefix has got
-    when it runs), so a pool of several threads hashes several files side by side. An ``O_DIRECT`` file is
-    hashed from the copies :meth:`keep` made where there are any (``kept`` is their budget), else read back."""
+    when it runs), so a pool of several threads hashes several files side by side."""
 
-    def __init__(self, fd: int, header: int, pool: ThreadPoolExecutor, direct: DirectFile | None = None,
-                 kept: KeptBytes | None = None):
+    def __init__(self, fd: int, header: int, pool: ThreadPoolExecutor, direct: DirectFile | None = None):
         self.fd = os.dup(fd)
         self.direct = direct  # an O_DIRECT file: read back through it (no page cache to map)
-        self.budget = kept
-        self.kept: dict[int, np.ndarray] = {}  # file position -> a copy of the bytes written there
         self.front = header  # end of the complete prefix
         self.ahead: dict[int, int] = {}  # complete ranges beyond the front: start -> end
         self.queued = False  # a catch-up task waits in the pool
@@ -159,17 +125,6 @@ class PrefixHash:
         self.view: memoryview | None = None  # of the mapping, made on first use
         self.marks = threading.Lock()  # completion bookkeeping (worker threads)
         self.io = threading.Lock()  # the descriptor and the hash state (hash threads; close)
-
-    def keep(self, pos: int, data: memoryview | np.ndarray) -> None:
-        """Keep a copy of ``data``, just written at ``pos`` (before :meth:`complete` marks it), for the hash, if
-        the budget allows; otherwise the hash reads it back from the file."""
-        n = len(data) if isinstance(data, memoryview) else data.nbytes
-        if self.budget is None or not n or not self.budget.take(n):
-            return
-        copy = np.empty(n, np.uint8)
-        copy[:] = np.frombuffer(data, np.uint8)  # numpy copies without the GIL
-        with self.marks:
-            self.kept[pos] = copy
 
     def complete(self, start: int, end: int) -> None:
         """Bytes [start, end) are final; hash whatever prefix that completes (in the background)."""
@@ -200,11 +155,6 @@ class PrefixHash:
 
     def close(self) -> None:
         """Release the descriptor without a digest (the shard is abandoned)."""
-        with self.marks:
-            dropped = sum(c.nbytes for c in self.kept.values())
-            self.kept.clear()
-        if dropped and self.budget is not None:
-            self.budget.give(dropped)
         with self.io:
             if self.view is not None:
                 mapping = self.view.obj
@@ -231,7 +181,8 @@ class PrefixHash:
             if self.fd < 0 or self.pos >= end:
                 return
             if self.direct is not None:
-                self._hash_direct(end)
+                self.direct.hash_range(self.sha, self.fd, self.pos, end)
+                self.pos = end
                 return
             if self.view is None:
                 self.view = memoryview(mmap.mmap(self.fd, 0, prot=mmap.PROT_READ))
@@ -242,25 +193,3 @@ class PrefixHash:
                     n = min(HASH_CHUNK, end - self.pos)
                     self.sha.update(self.view[self.pos:self.pos + n])
                     self.pos += n
-
-    def _hash_direct(self, end: int) -> None:
-        # Every byte below ``end`` is complete, and each was kept (if at all) before it was marked complete, so
-        # the copies below ``end`` are all in ``kept`` by now. A range's writes and marks coincide, so a copy
-        # is used whole unless the hash stops inside it (its rest stays, under the copy's base).
-        while self.pos < end:
-            with self.marks:
-                copy = self.kept.pop(self.pos, None)
-                gap_end = end if copy is not None else min((p for p in self.kept if p > self.pos), default=end)
-            if copy is None:
-                stop = min(gap_end, end)
-                self.direct.hash_range(self.sha, self.fd, self.pos, stop)
-                self.pos = stop
-                continue
-            n = min(copy.nbytes, end - self.pos)
-            with stage("hash-output"):
-                self.sha.update(copy[:n])
-            if n < copy.nbytes:
-                with self.marks:
-                    self.kept[self.pos + n] = copy[n:]
-            self.budget.give(n)
-            self.pos += n

@@ -30,7 +30,7 @@ from nvfp4_megamoe.runtime.format import SHARD_METADATA, shard_name
 from .direct_io import DirectFile, open_direct, pwrite_all
 from .errors import OutputError
 from .safetensors_header import encode_header
-from .hashing import KeptBytes, PrefixHash
+from .hashing import PrefixHash
 from .timing import stage
 from .units import Filled, OutputSpec
 
@@ -122,7 +122,6 @@ class ShardWriter:
         self.hashes: dict[str, Future] = {}
         self.sizes: dict[str, int] = {}
         self.pool = hash_pool
-        self.kept = KeptBytes()  # copies of O_DIRECT writes that the shards' hashes take instead of reading back
         self.on_finish = on_finish
         self.lock = threading.Lock()
         self.done_shards: set[int] = set()
@@ -165,14 +164,12 @@ class ShardWriter:
                     if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                         raise
                     os.ftruncate(fd, size)
-                stream = PrefixHash(fd, len(head), self.pool, direct=direct, kept=self.kept)
                 if direct is not None:
                     direct.pwrite(memoryview(head), 0)
-                    stream.keep(0, memoryview(head))
                     self.direct[i] = direct
                 else:
                     _pwrite_all(fd, memoryview(head), 0, path)
-                self.streams[i] = stream
+                self.streams[i] = PrefixHash(fd, len(head), self.pool, direct=direct)
             except (OSError, OutputError) as exc:
                 if direct is not None:
                     self.direct.pop(i, None)
@@ -213,10 +210,6 @@ class ShardWriter:
                 direct.pwrite(memoryview(raw), pos)
             except OSError as exc:
                 raise _disk_error(exc, self.tmp_path(i)) from None
-            with self.lock:
-                stream = self.streams.get(i)
-            if stream is not None:
-                stream.keep(pos, raw)
 
     def filled(self, ranges: list[Filled]) -> None:
         """Byte ranges of outputs are written and final: they join their shard's running hash, and the writeback
