@@ -4,12 +4,13 @@ Per token the weights are a few dozen numbers (``(2 + hc) * hc`` mixes in, ``hc`
 an ``hc x hc`` doubly-stochastic comb out), but the reference reaches them through about 150 small torch
 ops per ``hc_pre`` (sigmoids, a softmax, then ``iters - 1`` rounds of row and column sums and divisions), each
 a launch on the GPU, and the RMS norm before and the collapse after are seven more. Here one CTA per token sums
-the squares of its streams, one of its threads computes the weights entirely in registers, and all of them collapse
-the streams with ``pre``: one launch after cuBLAS's ``x @ fn.T``. Same formulas in float32 (the norm's scalar
+the squares of its streams, its first warp computes the weights in registers, and all of its threads collapse the
+streams with ``pre``: one launch after cuBLAS's ``x @ fn.T``. Same formulas in float32 (the norm's scalar
 multiplies the products instead of the streams); ``exp`` is ``ex2.approx`` of ``x * log2(e)`` (a few ulp from
-torch's), and each row or column is multiplied by the reciprocal of its sum: one thread runs the whole chain, and
-dividing took an IEEE division (``div.rn.f32``, a branchy sequence that does not overlap the next) per element, 640
-a token at V4's 20 Sinkhorn rounds, against 168 reciprocals.
+torch's). The comb's Sinkhorn rounds are a dependent chain of ``2 * iters`` normalisations; one lane holds one
+entry (``hc * hc <= 32``), and a row's or a column's sum is a butterfly of shuffles within its lanes, so a round
+costs a few shuffles and one division a lane: at V4-Flash's shapes (4 streams of 4096, 20 rounds) a launch takes
+5.9 us at one token, against 10.4 us with one thread running the whole chain (``docs/design/runtime.md``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from . import sm90_ptx as ptx
 from .sm90_ptx import LOG2E
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 
-MAX_HC = 8                             # streams per token the kernel unrolls (V4: 4)
+HC_SIZES = (1, 2, 4)                   # streams per token: a power of two whose comb fits one warp (V4: 4)
 PRE_THREADS = 1024                     # Sm90HcPre: threads of a token's CTA (V4-Flash: one 16-byte load a stream)
 
 
@@ -35,62 +36,24 @@ def _sigmoid(x: Float32) -> Float32:
     return Float32(1.0) / (Float32(1.0) + _exp(-x))
 
 
-def _sum(values: list) -> Float32:
-    """Left to right, as the unrolled code adds them."""
-    total = values[0]
-    for v in values[1:]:
-        total = total + v
-    return total
+def _lane_sum(v: Float32, first: int, count: int) -> Float32:
+    """Sum over the lanes that differ from this one in bits ``first .. first + count - 1`` (every such lane gets the
+    same float: each butterfly step adds the same two partial sums)."""
+    for b in range(first, first + count):
+        v = v + cute.arch.shuffle_sync_bfly(v, 1 << b)
+    return v
 
 
-def _weights(mixes: list, mBase, mScale, *, hc: int, iters: int, eps: float) -> tuple[list, list, list]:
-    """One token's (pre, post, comb) from its ``(2 + hc) * hc`` mixes, in registers (unrolled)."""
-    eps = Float32(eps)
-    s0, s1, s2 = mScale[0], mScale[1], mScale[2]
-    pre = [_sigmoid(mixes[i] * s0 + mBase[i]) + eps for i in range(hc)]
-    post = [Float32(2.0) * _sigmoid(mixes[hc + i] * s1 + mBase[hc + i]) for i in range(hc)]
-    comb = []
-    for i in range(hc):  # softmax of each row of logits, + eps
-        row = [mixes[2 * hc + i * hc + j] * s2 + mBase[2 * hc + i * hc + j] for j in range(hc)]
-        mx = row[0]
-        for j in range(1, hc):
-            mx = cute.arch.fmax(mx, row[j])
-        e = [_exp(v - mx) for v in row]
-        inv = Float32(1.0) / _sum(e)
-        comb.append([v * inv + eps for v in e])
-    comb = _normalise_columns(comb, eps)
-    for _ in range(iters - 1):
-        comb = _normalise_columns(_normalise_rows(comb, eps), eps)
-    return pre, post, comb
-
-
-def _store_weights(pre: list, post: list, comb: list, mPre, mPost, mComb, t) -> None:
-    hc = len(pre)
-    for i in range(hc):
-        mPre[t, i] = pre[i]
-        mPost[t, i] = post[i]
-        for j in range(hc):
-            mComb[t, i * hc + j] = comb[i][j]
-
-
-def _normalise_rows(c: list, eps: Float32) -> list:
-    out = []
-    for row in c:
-        inv = Float32(1.0) / (_sum(row) + eps)
-        out.append([v * inv for v in row])
-    return out
-
-
-def _normalise_columns(c: list, eps: Float32) -> list:
-    hc = len(c)
-    invs = [Float32(1.0) / (_sum([row[j] for row in c]) + eps) for j in range(hc)]
-    return [[c[i][j] * invs[j] for j in range(hc)] for i in range(hc)]
+def _lane_max(v: Float32, first: int, count: int) -> Float32:
+    for b in range(first, first + count):
+        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, 1 << b))
+    return v
 
 
 class Sm90HcPre:
     """The whole ``hc_pre`` of a token but the product by ``fn``: one CTA per token sums the squares of its
     streams, scales the raw products ``x @ fn.T`` by the RMS norm's reciprocal (the norm is one scalar per token, so
-    it commutes with the product), runs the weights' chain (one thread, in registers) and collapses the
+    it commutes with the product), runs the weights' chain (the first warp, a lane per comb entry) and collapses the
     streams with ``pre``. Replaces the norm's and the collapse's seven torch launches.
 
     Operands: ``x`` f32 [N, hc*H] (each token's streams, contiguous, 16-byte aligned, H a multiple of 4), ``mm``
@@ -100,12 +63,12 @@ class Sm90HcPre:
 
     @staticmethod
     def can_implement(hc: int, hidden: int) -> bool:
-        """Whether the kernel takes ``hc`` streams (it unrolls them) of ``hidden`` (16-byte loads) per token."""
-        return 1 <= hc <= MAX_HC and hidden % 4 == 0
+        """Whether the kernel takes ``hc`` streams (a lane per comb entry) of ``hidden`` (16-byte loads) per token."""
+        return hc in HC_SIZES and hidden % 4 == 0
 
     def __init__(self, *, hc: int, iters: int, hc_eps: float, norm_eps: float):
-        if not 1 <= hc <= MAX_HC or iters < 1:
-            raise ValueError(f"hc must be in [1, {MAX_HC}] and iters >= 1, got hc={hc}, iters={iters}")
+        if hc not in HC_SIZES or iters < 1:
+            raise ValueError(f"hc must be one of {HC_SIZES} and iters >= 1, got hc={hc}, iters={iters}")
         self.hc, self.iters, self.eps, self.norm_eps = hc, iters, float(hc_eps), float(norm_eps)
         self.threads = PRE_THREADS
 
@@ -128,7 +91,7 @@ class Sm90HcPre:
         width = mX.shape[1]
         h = mOut.shape[1]
         smem = cutlass.memory.SmemAllocator()
-        sb = smem.allocate_array(Float32, n_warps + MAX_HC, byte_alignment=16).toint()
+        sb = smem.allocate_array(Float32, n_warps + max(HC_SIZES), byte_alignment=16).toint()
         s_pre = sb + n_warps * 4
         x_row = mX.iterator.toint() + Int64(t) * Int64(width) * 4
         # 1. the sum of squares of the token's hc * H values, 16 bytes a load (all of a thread's loads in flight)
@@ -141,13 +104,19 @@ class Sm90HcPre:
         if tidx % 32 == 0:
             ptx.st_shared_f32(sb + (tidx // 32) * 4, ss)
         cute.arch.sync_threads()
-        # 2. one thread: the mixes (raw products over the RMS), the weights, pre into shared memory
-        if tidx == 0:
+        # 2. the first warp: the mixes (raw products over the RMS), the weights, pre into shared memory
+        if tidx < 32:
             total = ptx.ld_shared_f32(sb)
             for w in cutlass.range_constexpr(1, n_warps):
                 total = total + ptx.ld_shared_f32(sb + w * 4)
-            self.token(mMM, mBase, mScale, mPre, mPost, mComb, t,
-                       cute.math.rsqrt(total / Float32(width) + Float32(self.norm_eps)), s_pre)
+            c, pre, post = self.token(mMM, mBase, mScale, t, tidx,
+                                      cute.math.rsqrt(total / Float32(width) + Float32(self.norm_eps)))
+            if tidx < hc * hc:
+                mComb[t, tidx] = c
+            if tidx < hc:
+                mPre[t, tidx] = pre
+                mPost[t, tidx] = post
+                ptx.st_shared_f32(s_pre + tidx * 4, pre)
         cute.arch.sync_threads()
         # 3. the collapse: out = sum_i pre_i x_i
         pre = cute.make_rmem_tensor((hc,), Float32)
@@ -166,15 +135,26 @@ class Sm90HcPre:
             ptx.st_global_v2_f32(out_row + Int64(c) * 16, acc[0], acc[1])
             ptx.st_global_v2_f32(out_row + Int64(c) * 16 + 8, acc[2], acc[3])
 
-    def token(self, mMM, mBase, mScale, mPre, mPost, mComb, t, r, s_pre) -> None:
-        """One thread: the token's mixes (its raw products times the RMS norm's reciprocal ``r``), its weights,
-        and ``pre`` into shared memory at ``s_pre`` for the collapse (traced unrolled: plain Python loops)."""
+    def token(self, mMM, mBase, mScale, t, lane, r) -> tuple:
+        """The first warp: the token's mixes (its raw products times the RMS norm's reciprocal ``r``) and weights:
+        lane ``i * hc + j``'s comb entry (i, j), and lane ``i``'s pre and post. A row is ``hc`` neighbouring lanes
+        (shuffles across the low bits), a column every ``hc``-th lane (the next bits); lanes past the comb's
+        ``hc * hc`` entries repeat them among themselves (traced unrolled: plain Python loops)."""
         hc = self.hc
-        pre, post, comb = _weights([mMM[t, i] * r for i in range((2 + hc) * hc)], mBase, mScale,
-                                   hc=hc, iters=self.iters, eps=self.eps)
-        _store_weights(pre, post, comb, mPre, mPost, mComb, t)
-        for i in range(hc):
-            ptx.st_shared_f32(s_pre + i * 4, pre[i])
+        bits = hc.bit_length() - 1
+        eps = Float32(self.eps)
+        e = lane % (hc * hc)
+        logit = mMM[t, 2 * hc + e] * r * mScale[2] + mBase[2 * hc + e]
+        ex = _exp(logit - _lane_max(logit, 0, bits))               # softmax of the row, + eps
+        c = ex * (Float32(1.0) / _lane_sum(ex, 0, bits)) + eps
+        c = c * (Float32(1.0) / (_lane_sum(c, bits, bits) + eps))  # the first column normalisation
+        for _ in range(self.iters - 1):
+            c = c * (Float32(1.0) / (_lane_sum(c, 0, bits) + eps))
+            c = c * (Float32(1.0) / (_lane_sum(c, bits, bits) + eps))
+        i = lane % hc
+        pre = _sigmoid(mMM[t, i] * r * mScale[0] + mBase[i]) + eps
+        post = Float32(2.0) * _sigmoid(mMM[t, hc + i] * r * mScale[1] + mBase[hc + i])
+        return c, pre, post
 
 
 def sm90_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
@@ -185,7 +165,7 @@ def sm90_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
     m = (2 + hc) * hc
     _expect(x.is_cuda and tuple(fn.shape) == (m, hc * h), f"x must be CUDA [..., hc, H] and fn [(2+hc)*hc = {m}, "
             f"hc*H], got x {tuple(x.shape)}, fn {tuple(fn.shape)}")
-    _expect(Sm90HcPre.can_implement(hc, h), f"x must have 1..{MAX_HC} streams of a width divisible by 4, got "
+    _expect(Sm90HcPre.can_implement(hc, h), f"x must have {HC_SIZES} streams of a width divisible by 4, got "
             f"{tuple(x.shape)}")
     flat = x.float().reshape(-1, hc * h).contiguous()   # a copy only of the embedding's broadcast streams
     if flat.data_ptr() % 16:                             # a view at an odd offset: the kernel loads 16 bytes
