@@ -170,7 +170,7 @@ def bench_indexer(args, copy_bw: float, timer: ColdTimer) -> list[dict]:
                     del ref
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                del q, keys, w
+                q = keys = w = None  # the next sizes' operands need the memory (the closures above read these names)
                 torch.cuda.empty_cache()
     return rows
 
