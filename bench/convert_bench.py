@@ -7,6 +7,7 @@ and the memory check at twice the experts.
     python bench/convert_bench.py --workdir /tmp/convert-bench   # makes the checkpoints if missing;
                                                                  # writes bench/results/convert_bench.json
     python bench/convert_bench.py --workdir DIR --runs 2 --workers 16 --scaling 2,4,8,16 --twice ''
+    python bench/convert_bench.py --workdir DIR --twice '' --convert-args '--shard-size 1GB'   # options for every run
 
 Sources are synthetic checkpoints with real V4-Flash layer shapes (``synth`` presets
 ``flash-layer``: H=4096, I=2048, 64 experts, 3 layers + MTP, ~3.9 GB; ``flash-layer-2x``: the same
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -205,6 +207,7 @@ def main() -> None:
                     "2,4,8,16; auto: 1, 2, 4, ... up to the CPUs; '' to skip")
     ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parent / "results" / "convert_bench.json")
     ap.add_argument("--breakdown", action="store_true", help="only: time each unit kind in one thread (no output)")
+    ap.add_argument("--convert-args", default="", help="options added to every conversion, e.g. '--shard-size 1GB'")
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     src = ensure(args.workdir, args.preset)
@@ -227,15 +230,17 @@ def main() -> None:
     # machine that drifts (other work, memory state) affects all alike; each figure is the best of its rounds.
     modes = (("default", []), ("dense_keep", ["--dense", "keep"]), ("default_buffered", ["--buffered-io"]),
              ("target_sm90", ["--target", "sm90"]))
+    common = shlex.split(args.convert_args)
+    res["convert_args"] = common
     cp, cp_sync, runs = [], [], {name: [] for name, _ in modes}
     scaled: dict[int, list] = {w: [] for w in scaling}
     for _ in range(args.runs):
         cp.append(time_cp(src, args.workdir / "cp-copy", sync=False))
         cp_sync.append(time_cp(src, args.workdir / "cp-copy", sync=True))
         for name, extra in modes:
-            runs[name].append(time_convert(src, args.workdir / "out", extra, args.workers))
+            runs[name].append(time_convert(src, args.workdir / "out", extra + common, args.workers))
         for w in scaling:
-            scaled[w].append(time_convert(src, args.workdir / "out", [], w))
+            scaled[w].append(time_convert(src, args.workdir / "out", common, w))
     res["cp_s"], res["cp_sync_s"], res["cp_runs_s"], res["cp_sync_runs_s"] = min(cp), min(cp_sync), cp, cp_sync
     for name, _ in modes:
         res[name] = dict(min(runs[name], key=lambda r: r["wall_s"]))
@@ -249,12 +254,13 @@ def main() -> None:
         res["scaling"].append(best)
     if twice is not None:
         res["twice_source_bytes"] = folder_bytes(twice)
-        res["twice_default"] = time_convert(twice, args.workdir / "out", [], args.workers)
+        res["twice_default"] = time_convert(twice, args.workdir / "out", common, args.workers)
     res["load_after"] = os.getloadavg()
 
     print(f"\nmachine: {res['machine']}; load average before {res['load_before'][0]:.1f}, after {res['load_after'][0]:.1f}")
     print(f"source: {src} ({size / 1e9:.2f} GB); workers {args.workers}; best of {args.runs} interleaved rounds; "
-          "source warm in the page cache before every timed command (read once with cat-like reads)")
+          "source warm in the page cache before every timed command (read once with cat-like reads)"
+          + (f"; every conversion with {' '.join(common)}" if common else ""))
     print(f"all rounds (s): cp -r {_fmt(cp)}, cp -r && sync {_fmt(cp_sync)}, "
           + ", ".join(f"{name} {_fmt(res[name]['runs_s'])}" for name, _ in modes))
     print(f"baseline RssAnon (imports only): {res['baseline_rss_anon'] / 2**20:.0f} MiB")
