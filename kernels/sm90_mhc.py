@@ -157,6 +157,70 @@ class Sm90HcPre:
         return c, pre, post
 
 
+class Sm90HcPost:
+    """The mHC after a sublayer (``mhc_reference.hc_post``): one CTA per token writes its new streams
+    ``y_j = post_j out + sum_i comb_ij x_i``, 16 bytes of each stream a load, in one launch instead of the
+    reference's three (the product by ``post``, the comb's [hc, hc] by [hc, H] product, their sum) and the cast of
+    ``out`` to float32.
+
+    Operands: ``out`` BF16 or f32 [N, H] (the sublayer's output), ``x`` f32 [N, hc*H] (the streams, contiguous,
+    16-byte aligned, H a multiple of 4), ``post`` f32 [N, hc], ``comb`` f32 [N, hc*hc], ``y`` f32 [N, hc*H].
+    """
+
+    @staticmethod
+    def can_implement(hc: int, hidden: int) -> bool:
+        """Whether the kernel takes ``hc`` streams (it unrolls them) of ``hidden`` (16-byte loads) per token."""
+        return hc in HC_SIZES and hidden % 4 == 0
+
+    def __init__(self, *, hc: int):
+        if hc not in HC_SIZES:
+            raise ValueError(f"hc must be one of {HC_SIZES}, got hc={hc}")
+        self.hc = hc
+        self.threads = PRE_THREADS
+
+    def key(self) -> tuple:
+        return (self.hc,)
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mX: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor, mY: cute.Tensor,
+                 stream):
+        self.kernel(mO, mX, mPost, mComb, mY).launch(grid=[mX.shape[0], 1, 1], block=[self.threads, 1, 1],
+                                                     stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mX: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        t, _, _ = cute.arch.block_idx()
+        hc = self.hc
+        h = mO.shape[1]
+        post = cute.make_rmem_tensor((hc,), Float32)
+        comb = cute.make_rmem_tensor((hc * hc,), Float32)
+        for i in cutlass.range_constexpr(hc):
+            post[i] = mPost[t, i]
+        for i in cutlass.range_constexpr(hc * hc):
+            comb[i] = mComb[t, i]
+        x_row = mX.iterator.toint() + Int64(t) * Int64(hc) * Int64(h) * 4
+        y_row = mY.iterator.toint() + Int64(t) * Int64(hc) * Int64(h) * 4
+        for c in cutlass.range(tidx, h // 4, PRE_THREADS, unroll=1):
+            xs = cute.make_rmem_tensor((hc * 4,), Float32)
+            for i in cutlass.range_constexpr(hc):
+                v = ptx.ld_global_v4_f32(x_row + (Int64(i) * Int64(h) + Int64(c) * 4) * 4)
+                for e in cutlass.range_constexpr(4):
+                    xs[i * 4 + e] = v[e]
+            o = cute.make_rmem_tensor((4,), Float32)
+            for e in cutlass.range_constexpr(4):
+                o[e] = mO[t, c * 4 + e].to(Float32)
+            for j in cutlass.range_constexpr(hc):
+                acc = cute.make_rmem_tensor((4,), Float32)
+                for e in cutlass.range_constexpr(4):
+                    acc[e] = post[j] * o[e]
+                    for i in cutlass.range_constexpr(hc):
+                        acc[e] = acc[e] + comb[i * hc + j] * xs[i * 4 + e]
+                at = y_row + (Int64(j) * Int64(h) + Int64(c) * 4) * 4
+                ptx.st_global_v2_f32(at, acc[0], acc[1])
+                ptx.st_global_v2_f32(at + 8, acc[2], acc[3])
+
+
 def sm90_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
                 hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc_reference.hc_pre`` on the GPU: streams x [..., hc, H] -> (sublayer input [..., H], post [..., hc], comb
@@ -184,11 +248,35 @@ def sm90_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
 
 
 def warmup(hc: int, iters: int, hc_eps: float, norm_eps: float, device) -> int:
-    """Compile the kernel :func:`sm90_hc_pre` launches for these settings; returns 1."""
+    """Compile the kernels :func:`sm90_hc_pre` and :func:`sm90_hc_post` launch for these settings (the sublayer's
+    output in BF16 or float32); returns their count."""
     m = (2 + hc) * hc
     f32 = dict(dtype=torch.float32, device=device)
     _compile(Sm90HcPre(hc=hc, iters=max(iters, 1), hc_eps=hc_eps, norm_eps=norm_eps),
              [torch.empty(1, hc * 16, **f32), torch.empty(1, m, **f32), torch.empty(m, **f32), torch.empty(3, **f32),
               torch.empty(1, 16, **f32), torch.empty(1, hc, **f32), torch.empty(1, hc, **f32),
               torch.empty(1, hc * hc, **f32)])
-    return 1
+    for dtype in (torch.bfloat16, torch.float32):
+        _compile(Sm90HcPost(hc=hc), [torch.empty(1, 16, dtype=dtype, device=device), torch.empty(1, hc * 16, **f32),
+                                     torch.empty(1, hc, **f32), torch.empty(1, hc * hc, **f32),
+                                     torch.empty(1, hc * 16, **f32)])
+    return 3
+
+
+def sm90_hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``mhc_reference.hc_post`` on the GPU: sublayer output [..., H] (BF16 or f32), streams x [..., hc, H], post
+    [..., hc], comb [..., hc, hc] -> new streams f32 [..., hc, H], in one launch."""
+    *lead, hc, h = x.shape
+    _expect(x.is_cuda and Sm90HcPost.can_implement(hc, h) and tuple(out.shape) == (*lead, h)
+            and out.dtype in (torch.bfloat16, torch.float32),
+            f"x must be CUDA [..., hc in {HC_SIZES}, H % 4 == 0] and out BF16 or f32 [..., H], got x "
+            f"{tuple(x.shape)}, out {tuple(out.shape)} {out.dtype}")
+    flat = x.float().reshape(-1, hc * h).contiguous()   # a copy only of the embedding's broadcast streams
+    if flat.data_ptr() % 16:
+        flat = flat.clone()
+    n = flat.shape[0]
+    y = torch.empty(n, hc * h, dtype=torch.float32, device=x.device)
+    if n:
+        _launch(Sm90HcPost(hc=hc), [out.reshape(n, h).contiguous(), flat, post.float().reshape(n, hc).contiguous(),
+                                    comb.float().reshape(n, hc * hc).contiguous(), y])
+    return y.view(*lead, hc, h)

@@ -77,7 +77,8 @@ class HopperBackend(ReferenceBackend):
         self._linear_fits: dict[tuple, bool] = {}
         self._indexer_ready: set[tuple] = set()
         self._f32_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id -> (weight, its float32 copy)
-        self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0, "hc_pre": 0}
+        self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0, "hc_pre": 0,
+                             "hc_post": 0}
         self.warmup_seconds: float | None = None
         self.compiled_at_warmup: int | None = None  # kernels the last warm-up compiled (not found in a cache)
         self.compile_report: list = []  # the last warm-up's worker compiles (``compile_workers.Compiled``)
@@ -214,6 +215,15 @@ class HopperBackend(ReferenceBackend):
             return super().hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
         self.kernel_calls["hc_pre"] += 1
         return sm90_hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+
+    def hc_post(self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, sm90_hc_post
+
+        if not (x.is_cuda and Sm90HcPost.can_implement(x.shape[-2], x.shape[-1])
+                and out.dtype in (torch.bfloat16, torch.float32)):
+            return super().hc_post(out, x, post, comb)
+        self.kernel_calls["hc_post"] += 1
+        return sm90_hc_post(out, x, post, comb)
 
     # -- decode indexer top-k ----------------------------------------------------------------------------------
     def indexer_topk(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,

@@ -87,8 +87,8 @@ def jobs(every: bool) -> list[tuple]:
     from nvfp4_megamoe.kernels.sm90_config import MoeShape
     from nvfp4_megamoe.kernels.sm90_decode_attention import (CLUSTERS, Sm90DecodeAttention,
                                                              Sm90DecodeAttentionCombine)
-    from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPre
-    from sm90_stand_ins import decode_attention_args, hc_pre_args
+    from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre
+    from sm90_stand_ins import decode_attention_args, hc_post_args, hc_pre_args
 
     found: dict[tuple, tuple] = {}
     record = lambda op, tensors: found.setdefault((type(op).__name__, op.key()), (op, tensors))  # noqa: E731
@@ -109,6 +109,7 @@ def jobs(every: bool) -> list[tuple]:
     for groups in (1, 4):
         record(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]])
     record(Sm90HcPre(hc=4, iters=20, hc_eps=1e-6, norm_eps=1e-6), hc_pre_args(4))
+    record(Sm90HcPost(hc=4), hc_post_args(4))
     chosen = list(found.values())
     if not every:  # per GEMM configuration up to its token tile: the widest tile (then the fewest MMA widths)
         widest: dict[tuple, tuple] = {}

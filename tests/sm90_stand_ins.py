@@ -43,3 +43,8 @@ def hc_pre_args(hc: int, h: int = 64, n: int = 5) -> list[torch.Tensor]:
     return [torch.zeros(n, hc * h), torch.zeros(n, m), torch.zeros(m), torch.zeros(3), torch.zeros(n, h),
             torch.zeros(n, hc), torch.zeros(n, hc), torch.zeros(n, hc * hc)]
 
+
+def hc_post_args(hc: int, h: int = 64, n: int = 5, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """out, x, post, comb, y of ``Sm90HcPost`` for ``n`` tokens of ``hc`` streams of ``h`` (``out`` in ``dtype``)."""
+    return [torch.zeros(n, h, dtype=dtype), torch.zeros(n, hc * h), torch.zeros(n, hc), torch.zeros(n, hc * hc),
+            torch.zeros(n, hc * h)]

@@ -1,5 +1,5 @@
-"""The mHC ``hc_pre`` kernel (``kernels/sm90_mhc.py``): compiled for sm_90a on the CPU (CI), and on the H200
-against ``mhc_reference.hc_pre`` (float32 torch ops, marked ``gpu``)."""
+"""The mHC kernels (``kernels/sm90_mhc.py``, ``hc_pre`` and ``hc_post``): compiled for sm_90a on the CPU (CI), and on
+the H200 against ``mhc_reference`` (float32 torch ops, marked ``gpu``)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
-from nvfp4_megamoe.kernels.mhc_reference import hc_pre  # noqa: E402
-from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPre, sm90_hc_pre  # noqa: E402
+from nvfp4_megamoe.kernels.mhc_reference import hc_post, hc_pre  # noqa: E402
+from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre, sm90_hc_post, sm90_hc_pre  # noqa: E402
 from numeric import rel_err  # noqa: E402
-from sm90_stand_ins import hc_pre_args  # noqa: E402
+from sm90_stand_ins import hc_post_args, hc_pre_args  # noqa: E402
 
 
 @pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
@@ -48,3 +48,40 @@ def test_hc_pre_kernel_matches_reference(lead, hc, h, iters, broadcast):
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == torch.float32 and g.isfinite().all()
         assert rel_err(g, w) < 1e-5
+
+
+@pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
+@pytest.mark.parametrize("hc,dtype", [(4, torch.bfloat16), (4, torch.float32), (1, torch.bfloat16)])
+def test_hc_post_compiles_sm90a(hc, dtype):
+    from nvfp4_megamoe.kernels.cute_host import compile_op
+    assert compile_op(Sm90HcPost(hc=hc), hc_post_args(hc, dtype=dtype)) is not None
+    with pytest.raises(ValueError, match="hc must be"):
+        Sm90HcPost(hc=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead,hc,h,dtype,broadcast", [((1,), 4, 4096, torch.bfloat16, False),
+                                                       ((1,), 4, 4096, torch.float32, True),
+                                                       ((3, 37), 4, 1024, torch.bfloat16, False),
+                                                       ((300,), 2, 256, torch.float32, False)])
+def test_hc_post_kernel_matches_reference(lead, hc, h, dtype, broadcast):
+    """New streams against the reference, the output poisoned first; ``broadcast``: the embedding's streams."""
+    gen = torch.Generator(device="cuda").manual_seed(hc + len(lead) + h)
+    if broadcast:
+        x = torch.randn(*lead, 1, h, device="cuda", generator=gen).expand(*lead, hc, h)
+    else:
+        x = torch.randn(*lead, hc, h, device="cuda", generator=gen) * 3
+    out = torch.randn(*lead, h, device="cuda", generator=gen).to(dtype)
+    post = torch.rand(*lead, hc, device="cuda", generator=gen) * 2
+    comb = torch.rand(*lead, hc, hc, device="cuda", generator=gen)
+    comb = comb / comb.sum(-2, keepdim=True)
+    want = hc_post(out, x, post, comb)
+    got = sm90_hc_post(out, x, post, comb)
+    assert got.shape == want.shape and got.dtype == torch.float32 and got.isfinite().all()
+    assert rel_err(got, want) < 1e-6
+    from nvfp4_megamoe.kernels.cute_host import launch
+    n = want.numel() // (hc * h)
+    poisoned = torch.full((n, hc * h), float("nan"), device="cuda")
+    launch(Sm90HcPost(hc=hc), [out.reshape(n, h), x.float().reshape(n, hc * h).contiguous(),
+                               post.reshape(n, hc), comb.reshape(n, hc * hc), poisoned])
+    assert torch.equal(poisoned.view_as(got), got)  # every element written, the same bytes
