@@ -117,6 +117,35 @@ Tiling = MmaTiling | WgmmaTiling
 
 
 @dataclass(frozen=True)
+class Fp8LinearConfig:
+    """One compiled FP8 dense linear (``sm90_fp8_linear``): E4M3 weights with 128 x 128 block scales, BF16 x.
+
+    Attributes:
+        n: weight rows per group (out features).
+        k: in features per group, a multiple of 128.
+        groups: G linears of one launch (a grouped projection such as ``wo_a``): weights [G * N, K], x [T, G, K],
+            out [T, G, N]; N a multiple of 128 (a CTA's rows share one block row of scales).
+        tile_tokens: tokens per work tile, a multiple of 8 up to 64 (8 per MMA).
+        row_tiles: 16-row groups per warp (1 or 2); a CTA is 4 warps, 64 or 128 weight rows.
+        depth: k-tiles of weight loads in flight per thread (1, 2 or 4; at most 4 / ``row_tiles``).
+        k_splits: float32 out: K is split over this many CTAs (grid z), each adding its partial sums into ``out``
+            (the caller zeroes it).
+        out_bf16: BF16 out instead of float32.
+        scale_f32: the block scales are float32 (-Base checkpoints), not E8M0 bytes.
+    """
+
+    n: int
+    k: int
+    groups: int = 1
+    tile_tokens: int = 8
+    row_tiles: int = 1
+    depth: int = 4
+    k_splits: int = 1
+    out_bf16: bool = False
+    scale_f32: bool = False
+
+
+@dataclass(frozen=True)
 class GemmConfig:
     """One compiled GEMM: its problem and its tiling (the tiling's type picks the kernel family)."""
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from .sm90_config import (ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, GemmConfig, GemmProblem, MmaTiling, MoePlan,
-                          MoeShape, WgmmaTiling)
+from .sm90_config import (ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, Fp8LinearConfig, GemmConfig, GemmProblem,
+                          MmaTiling, MoePlan, MoeShape, WgmmaTiling)
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)      # mma.sync token tiles
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
@@ -31,6 +31,7 @@ LINEAR_WGMMA_MIN_SHARE = 2               # ... while each share keeps this many 
 DIRECT_ONE_ROW_TILE_CTAS = 3              # direct calls with one row tile: CTAs per SM at most (PDL spread)
 WGMMA_WIDE_HIDDEN = 7168                  # layers this wide run two-warpgroup WGMMA CTAs from N = 64 ...
 WGMMA_TWO_GROUPS_MAX_TOKENS = 80          # ... with two m64 row groups a warpgroup up to this N
+FP8_KERNEL_MAX_TOKENS = 64               # FP8 dense linears of more tokens run dequantised to BF16 on cuBLAS
 WGMMA_L2_AHEAD = 8                        # k-tiles of weights prefetched into the L2 from N = 64
 
 
@@ -168,6 +169,35 @@ def linear_token_counts() -> tuple[int, ...]:
     128-token tiles (every longer call runs the same)."""
     mma = {t for t in TILE_TOKEN_CHOICES if t < 2 * LINEAR_WGMMA_MIN_TILE}
     return tuple(sorted(mma | set(LINEAR_WGMMA_TILES) | {2 * LINEAR_WGMMA_TILES[-1]}))
+
+
+def fp8_linear_config(n: int, k: int, tokens: int, out_bf16: bool = False, groups: int = 1,
+                      scale_f32: bool = False) -> Fp8LinearConfig:
+    """The FP8 dense linear (``sm90_fp8_linear``) for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K]: the
+    NVFP4 linear's mma.sync token tile, row tiles and K split (:func:`linear_mma_config`), its pipeline as deep as
+    the registers allow (a k-tile of FP8 weights is twice an NVFP4 one's)."""
+    bn = smallest_tile(tokens, TILE_TOKEN_CHOICES)
+    tiles = -(-tokens // bn)
+    row_tiles = 2 if bn == LINEAR_TWO_ROW_TILES_TOKENS and n % 128 == 0 else 1
+    # the grid's CTAs as they are (128 rows with two row tiles): at 32 tokens, splits to 256 of them took 9.0 / 9.5 /
+    # 26.9 us for V4-Flash's shared w1, w2 and wo_b where half as many took 12.7 / 12.1 / 33.6
+    splits = 1 if out_bf16 else pick_k_splits(n // (64 * row_tiles) * groups * tiles, k // K_TILE, tiles, bn)
+    return Fp8LinearConfig(n=n, k=k, groups=groups, tile_tokens=bn, row_tiles=row_tiles,
+                           depth=fit_depth(k // K_TILE // splits, 4 // row_tiles), k_splits=splits,
+                           out_bf16=out_bf16, scale_f32=scale_f32)
+
+
+def fp8_kernel_pays(tokens: int) -> bool:
+    """Whether ``tokens`` rows run the FP8 linear kernel; longer calls run the weight dequantised to BF16 and cuBLAS
+    (the mma.sync kernel's BF16 MMAs reach about 100 TFLOP/s, cuBLAS about 800)."""
+    return tokens <= FP8_KERNEL_MAX_TOKENS
+
+
+def fp8_linear_token_counts() -> tuple[int, ...]:
+    """Token counts that between them reach every configuration :func:`fp8_linear_config` picks for a weight (each
+    token tile, as one call fills it and as two do)."""
+    counts = set(TILE_TOKEN_CHOICES) | {2 * t for t in TILE_TOKEN_CHOICES}
+    return tuple(sorted(t for t in counts if fp8_kernel_pays(t)))
 
 
 # -- WGMMA (prefill) ------------------------------------------------------------------------------------------------

@@ -16,8 +16,10 @@ the PyTorch references everywhere else.
   torch calls per reference ``hc_pre``);
 * dense NVFP4 linears (attention projections, shared experts, ``wo_a`` with all its groups in one launch):
   :func:`~nvfp4_megamoe.kernels.sm90_nvfp4_linear.sm90_nvfp4_linear` (W4A16, float32 out) where it tiles the
-  weight (``can_implement``; ``wo_a``: 128-row groups, so each group's scales are whole swizzle atoms); FP8 and
-  BF16 linears stay on the reference.
+  weight (``can_implement``; ``wo_a``: 128-row groups, so each group's scales are whole swizzle atoms);
+* dense FP8 linears (``--dense keep``: E4M3 with 128 x 128 block scales, as released):
+  :func:`~nvfp4_megamoe.kernels.sm90_fp8_linear.sm90_fp8_linear` (W8A16, float32 out, ``wo_a`` in one launch) where
+  it tiles the weight; BF16 linears stay on the reference.
 * RMSNorm: the reference's float32 formula as one ``F.rms_norm`` launch, each weight's float32 copy made once.
 * BF16 dense linears: small ones (compressor, router, indexer ``weights_proj``) against a float32 copy made once, the
   head in BF16 with float32 accumulation and out; the compressors' softmax over the window's slots as a last-axis
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import ReferenceBackend
-from .weights import DenseLinear, Linear, MoEWeights, Nvfp4Linear
+from .weights import DenseLinear, Fp8Linear, Linear, MoEWeights, Nvfp4Linear
 
 # Largest token count one MoE kernel call takes; longer inputs are processed in chunks of it.
 MAX_MOE_TOKENS = 4096
@@ -98,11 +100,35 @@ class HopperBackend(ReferenceBackend):
                 sm90_nvfp4_linear.warmup(n, k, device, groups=groups)
         return self._linear_fits[key]
 
+    def _fp8_ready(self, w: Fp8Linear, groups: int, device: torch.device) -> bool:
+        """Whether the FP8 kernel tiles ``groups`` W of ``w``; the first time it does, compiles its configurations."""
+        from nvfp4_megamoe.kernels import sm90_fp8_linear
+
+        n, k = w.weight.shape[0] // groups, w.weight.shape[1]
+        scale_dtype = torch.float32 if w.scale.dtype == torch.float32 else torch.uint8
+        key = ("fp8", n, k, groups, scale_dtype, str(device))
+        if key not in self._linear_fits:
+            self._linear_fits[key] = sm90_fp8_linear.can_implement(n, k, groups)
+            if self._linear_fits[key]:
+                sm90_fp8_linear.warmup(n, k, device, scale_dtype=scale_dtype, groups=groups)
+        return self._linear_fits[key]
+
+    def _fp8_linear(self, x: torch.Tensor, w: Fp8Linear, groups: int) -> torch.Tensor:
+        """x [..., G * K] (G = ``groups``) -> float32 [..., G * N] by the FP8 kernel (``_fp8_ready`` said yes)."""
+        from nvfp4_megamoe.kernels.sm90_fp8_linear import sm90_fp8_linear
+
+        xb = x.reshape(-1, w.weight.shape[1] * groups).to(torch.bfloat16).contiguous()
+        out = sm90_fp8_linear(xb, w.weight, w.scale, out_dtype=torch.float32, groups=groups)
+        self.kernel_calls["linear"] += 1
+        return out
+
     def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
         from nvfp4_megamoe.kernels.sm90_nvfp4_linear import sm90_nvfp4_linear
 
         if isinstance(w, DenseLinear) and x.is_cuda and w.weight.dtype == torch.bfloat16:
             return self._bf16_linear(x, w.weight)
+        if isinstance(w, Fp8Linear) and x.is_cuda and x.numel() and self._fp8_ready(w, 1, x.device):
+            return self._fp8_linear(x, w, 1).view(*x.shape[:-1], w.weight.shape[0])
         if not (isinstance(w, Nvfp4Linear) and x.is_cuda and x.numel()):
             return super().linear(x, w)
         n, k = w.weight.shape[0], 2 * w.weight.shape[1]
@@ -124,6 +150,8 @@ class HopperBackend(ReferenceBackend):
     def grouped_linear(self, x: torch.Tensor, w: Linear, groups: int) -> torch.Tensor:
         from nvfp4_megamoe.kernels.sm90_nvfp4_linear import sm90_nvfp4_linear
 
+        if isinstance(w, Fp8Linear) and x.is_cuda and x.numel() and self._fp8_ready(w, groups, x.device):
+            return self._fp8_linear(x, w, groups).view(*x.shape[:-1], w.weight.shape[0] // groups)
         if not (isinstance(w, Nvfp4Linear) and x.is_cuda and x.numel()):
             return super().grouped_linear(x, w, groups)
         n, k = w.weight.shape[0], 2 * w.weight.shape[1]
@@ -333,9 +361,12 @@ class HopperBackend(ReferenceBackend):
         for lw in layers:
             self._moe_layer(lw.moe, cfg.top_k, cfg.swiglu_limit, dev)
             a = lw.attn
-            for w in _nvfp4_linears(lw):
+            for w in _kernel_linears(lw):
                 groups = cfg.o_groups if w is a.wo_a else 1
-                self._linear_ready(w.weight.shape[0] // groups, 2 * w.weight.shape[1], dev, groups)
+                if isinstance(w, Fp8Linear):
+                    self._fp8_ready(w, groups, dev)
+                else:
+                    self._linear_ready(w.weight.shape[0] // groups, 2 * w.weight.shape[1], dev, groups)
         if sm90_mhc.Sm90HcPre.can_implement(cfg.hc_mult, cfg.hidden_size):
             sm90_mhc.warmup(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, dev)
         ratios = {lw.attn.compress_ratio for lw in layers}
@@ -347,10 +378,11 @@ class HopperBackend(ReferenceBackend):
             sm90_indexer.warmup(cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, dev)
 
 
-def _nvfp4_linears(lw) -> list[Nvfp4Linear]:
-    """Every NVFP4 linear of a layer's attention and shared expert (what ``linear`` / ``grouped_linear`` launch)."""
+def _kernel_linears(lw) -> list[Nvfp4Linear | Fp8Linear]:
+    """Every NVFP4 and FP8 linear of a layer's attention and shared expert (what ``linear`` / ``grouped_linear``
+    launch kernels for)."""
     a, shared = lw.attn, lw.moe.shared
     found = [a.wq_a, a.wq_b, a.wkv, a.wo_a, a.wo_b, shared.w13, shared.w1, shared.w3, shared.w2]
     if a.indexer is not None:
         found.append(a.indexer.wq_b)
-    return [w for w in found if isinstance(w, Nvfp4Linear)]
+    return [w for w in found if isinstance(w, (Nvfp4Linear, Fp8Linear))]

@@ -1,0 +1,183 @@
+"""The dense FP8 linears of a layer (``--dense keep``) against their floor, side by side with the NVFP4 linear and
+torch's FP8 GEMM.
+
+Every dense linear of a V4 layer that the official releases store in FP8 (``--preset``: the shapes of
+``flash-layer`` or ``pro-layer``; the shared expert's w1 and w3 apart, as the source has them), at T = 1, 8, 32,
+64, 128 tokens (``--prefill``: also 2048):
+
+* ``fp8``: ``sm90_fp8_linear`` as the heuristics pick it (``fp8_linear_config``); with ``--sweep`` also its K
+  splits (``fp8_s<S>``) and, at 32 tokens, one row tile (``fp8_rt1``);
+* ``dequant_bf16``: the weight dequantised to BF16, then cuBLAS BF16 (float32 accumulation and out): what
+  ``sm90_fp8_linear`` runs past the kernel's token range (``sm90_heuristics.fp8_kernel_pays``);
+* ``reference``: what a FP8 linear costs without the kernel (``fp8_linear``: the weight dequantised to float32 at
+  every call, a float32 GEMM);
+* ``nvfp4``: the NVFP4 linear of the same shape (``sm90_nvfp4_linear``), the default conversion's dense layers;
+* ``scaled_mm``: ``torch._scaled_mm`` (cuBLAS FP8 tensor cores) with row-wise scales, x quantised to FP8 outside
+  the timing: the FP8 GEMM the hardware offers, an anchor (it reads the same weight bytes, x as FP8).
+
+Each figure is a CUDA graph of ``--chain`` calls back to back, each on its own copy of the weights, replayed with
+the L2 flushed first (``gpu_timing.ColdTimer``; the median over the calls). Floor: the larger of the FP8 weights,
+block scales, x and out read or written once at the copy bandwidth, and the FLOPs at the BF16 matmul rate (the
+kernel's MMAs are BF16), both measured in the same run; the FP8 matmul rate (``_scaled_mm`` at 8192^3) is printed
+too. Numerics are checked by the GPU tests (``tests/test_fp8_linear_sm90.py``), not here.
+
+    python bench/fp8_linear_bench.py --preset flash-layer --prefill --json bench/results/fp8_linear_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+TOKENS = (1, 8, 32, 64, 128)
+PREFILL_TOKENS = (2048,)  # with --prefill
+
+
+def fp8_shapes(preset: str) -> list[tuple[str, int, int, int]]:
+    """(name, N, K, groups) of the FP8 linears of a layer of ``preset`` (``linear_bench``'s shapes, the shared
+    expert's w1 and w3 apart, no head: the releases keep it BF16)."""
+    from linear_bench import dense_shapes
+
+    found = []
+    for name, n, k, groups in dense_shapes(preset):
+        if name == "shared w13":
+            found += [("shared w1", n // 2, k, 1), ("shared w3", n // 2, k, 1)]
+        elif name != "head":
+            found.append((name, n, k, groups))
+    return found
+
+
+def measure_fp8_matmul() -> float:
+    """Dense FP8 matmul rate in FLOP/s (``torch._scaled_mm`` 8192^3, row-wise scales, BF16 out)."""
+    from gpu_timing import _median_seconds
+
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(8192, 1, device="cuda"), torch.ones(1, 8192, device="cuda")
+    return 2 * 8192 ** 3 / _median_seconds(lambda: torch._scaled_mm(a, b.T, sa, sb, out_dtype=torch.bfloat16))
+
+
+def variants(n: int, k: int, t: int, groups: int, sweep: bool) -> dict:
+    """label -> FP8 kernel configuration to time: the pick, and with ``sweep`` its alternatives."""
+    from nvfp4_megamoe.kernels.sm90_config import K_TILE
+    from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Linear
+    from nvfp4_megamoe.kernels.sm90_heuristics import fit_depth, fp8_linear_config
+
+    picked = fp8_linear_config(n, k, t, groups=groups)
+    found = {"fp8": picked}
+    if not sweep:
+        return found
+    for s in (1, 2, 4, 8, 16, 32):
+        if s != picked.k_splits and (k // K_TILE) % s == 0:
+            found[f"fp8_s{s}"] = replace(picked, k_splits=s, depth=fit_depth(k // K_TILE // s, 4 // picked.row_tiles))
+    if picked.row_tiles == 2:
+        found["fp8_rt1"] = replace(picked, row_tiles=1, depth=fit_depth(k // K_TILE // picked.k_splits, 4))
+    return {key: c for key, c in found.items() if Sm90Fp8Linear.can_implement(c)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from gpu_timing import ColdTimer, measure_bf16_matmul, measure_copy, time_into
+
+    from nvfp4_megamoe.kernels import cute_host, sm90_fp8_linear as fp8
+    from nvfp4_megamoe.kernels import sm90_nvfp4_linear as nvfp4
+    from nvfp4_megamoe.kernels.fp8_reference import fp8_linear
+    from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="flash-layer", choices=["flash-layer", "pro-layer"])
+    ap.add_argument("--sweep", action="store_true", help="time the FP8 kernel's alternatives, not only the pick")
+    ap.add_argument("--prefill", action="store_true", help=f"also T = {PREFILL_TOKENS} (a prefill chunk)")
+    ap.add_argument("--tokens", type=int, nargs="+", help=f"token counts to time (default {TOKENS})")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--chain", type=int, default=8, help="calls per timed graph, each on its own weight copy")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args(argv)
+    tokens = tuple(args.tokens or TOKENS) + (PREFILL_TOKENS if args.prefill else ())
+
+    copy_bw, bf16_rate, fp8_rate = measure_copy(), measure_bf16_matmul(), measure_fp8_matmul()
+    timer = ColdTimer()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cases = []
+    for name, n, k, groups in fp8_shapes(args.preset):
+        if not fp8.can_implement(n, k, groups):
+            print(f"{name}: N={n} K={k} not tiled by the FP8 kernel, skipped")
+            continue
+        rows, c = groups * n, args.chain
+        # finite E4M3 codes (0x7F and 0xFF are NaN), E8M0 scales near a real checkpoint's
+        w = torch.randint(0, 0x7F, (c, rows, k), dtype=torch.uint8, device="cuda", generator=gen)
+        w |= torch.randint(0, 2, w.shape, dtype=torch.uint8, device="cuda", generator=gen) << 7
+        sc = torch.randint(115, 122, (c, -(-rows // 128), k // 128), dtype=torch.uint8, device="cuda", generator=gen)
+        w4 = torch.randint(0, 256, (c, rows, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+        s4 = torch.randint(0x30, 0x38, (c, groups * swizzled_nbytes(n, k // 16)), dtype=torch.uint8, device="cuda",
+                           generator=gen)
+        alpha = torch.ones(1, device="cuda")
+        for t in tokens:
+            x = torch.randn(t, groups * k, device="cuda", generator=gen).to(torch.bfloat16)
+            out = torch.empty(t, groups * n, device="cuda")
+            cases.append((name, n, k, groups, t, w, sc, w4, s4, alpha, x, out, variants(n, k, t, groups, args.sweep)))
+    with cute_host.collecting() as jobs:
+        for name, n, k, groups, t, w, sc, w4, s4, alpha, x, out, found in cases:
+            for config in found.values():
+                cute_host.compile_op(fp8.linear_op(config), [w[0], sc[0], x, out])
+            nvfp4.warmup(n, k, "cuda", groups=groups)
+    print(f"compiled {cute_host.compile_all(jobs)} kernels")
+
+    rows_out = []
+    for name, n, k, groups, t, w, sc, w4, s4, alpha, x, out, found in cases:
+        chain = range(args.chain)
+        nbytes = groups * n * k + sc[0].numel() + x.numel() * 2 + out.numel() * 4
+        floor = max(nbytes / copy_bw, 2 * t * groups * n * k / bf16_rate)
+        row = dict(name=name, n=n, k=k, groups=groups, tokens=t, floor_us=floor * 1e6,
+                   picked=repr(found["fp8"]))
+        for key, config in found.items():
+            op = fp8.linear_op(config)
+
+            def run(op=op):
+                for i in chain:
+                    if op.k_splits > 1:
+                        out.zero_()
+                    cute_host.launch(op, [w[i], sc[i], x, out])
+            time_into(row, key, run, timer, args.reps)
+        time_into(row, "dequant_bf16", lambda: [fp8._dequantized_linear(x, w[i], sc[i], out, groups) for i in chain],
+                  timer, args.reps)
+        wf8 = w.view(torch.float8_e4m3fn)
+        if groups == 1:
+            time_into(row, "reference", lambda: [fp8_linear(x, wf8[i], sc[i]) for i in chain], timer, args.reps)
+        time_into(row, "nvfp4", lambda: [nvfp4.sm90_nvfp4_linear(x, w4[i], s4[i], alpha, out=out, groups=groups)
+                                         for i in chain], timer, args.reps)
+        if groups == 1:
+            xq = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+            sa, sb = torch.ones(t, 1, device="cuda"), torch.ones(1, n, device="cuda")
+            time_into(row, "scaled_mm", lambda: [torch._scaled_mm(xq, wf8[i].T, sa, sb, out_dtype=torch.bfloat16)
+                                                 for i in chain], timer, args.reps)
+        for key in [key for key in row if key.endswith("_us") and key != "floor_us"]:
+            row[key] /= args.chain
+        rows_out.append(row)
+        got = row.get("fp8_us", float("nan"))
+        best = min((v, key) for key, v in row.items() if key.startswith("fp8") and key.endswith("_us"))
+        print(f"{name:13s} N={n:6d} K={k:5d} G={groups} T={t:5d}: fp8 {got:7.1f} us ({row['floor_us'] / got:5.1%} of "
+              f"floor {row['floor_us']:6.1f}); best {best[1][:-3]} {best[0]:7.1f}; dequant_bf16 "
+              f"{row.get('dequant_bf16_us', float('nan')):7.1f}; nvfp4 "
+              f"{row.get('nvfp4_us', float('nan')):7.1f}; scaled_mm {row.get('scaled_mm_us', float('nan')):7.1f}; "
+              f"reference {row.get('reference_us', float('nan')):8.1f}")
+    for t in tokens:
+        sel = [r for r in rows_out if r["tokens"] == t]
+        got, floor = sum(r["fp8_us"] for r in sel), sum(r["floor_us"] for r in sel)
+        print(f"T={t}: a layer's FP8 linears {got:.1f} us, floor {floor:.1f} us ({floor / got:.1%}); NVFP4 "
+              f"{sum(r.get('nvfp4_us', 0) for r in sel):.1f} us")
+    print(f"copy {copy_bw / 1e12:.2f} TB/s, BF16 matmul {bf16_rate / 1e12:.0f} TFLOP/s, FP8 matmul "
+          f"{fp8_rate / 1e12:.0f} TFLOP/s")
+    if args.json:
+        args.json.write_text(json.dumps(dict(preset=args.preset, copy_bytes_per_s=copy_bw, bf16_flops_per_s=bf16_rate,
+                                             fp8_flops_per_s=fp8_rate, rows=rows_out), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The FP8 dense linear (``kernels/sm90_fp8_linear.py``): its decode rules and configurations on the CPU, its kernels
+compiled for sm_90a (CI), and on the H200 against the float32 reference ``fp8_linear`` (marked ``gpu``)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
+
+from nvfp4_megamoe.kernels import sm90_fp8_linear as fp8  # noqa: E402
+from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize  # noqa: E402
+from nvfp4_megamoe.kernels.sm90_config import Fp8LinearConfig  # noqa: E402
+from nvfp4_megamoe.kernels.sm90_heuristics import fp8_linear_config, fp8_linear_token_counts  # noqa: E402
+from numeric import rel_err  # noqa: E402
+
+# (N, K, groups) of V4-Flash's and V4-Pro's FP8 linears: wq_a, wq_b, wkv, wo_a, wo_b, shared w1/w3, w2, indexer wq_b
+FP8_SHAPES = [(1024, 4096, 1), (32768, 1024, 1), (512, 4096, 1), (1024, 4096, 8), (4096, 8192, 1), (2048, 4096, 1),
+              (4096, 2048, 1), (8192, 1024, 1), (1536, 7168, 1), (65536, 1536, 1), (1024, 8192, 16),
+              (7168, 16384, 1), (3072, 7168, 1), (7168, 3072, 1)]
+
+
+def _bf16_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """16-bit patterns (int64) -> the BF16 values they encode, as float32."""
+    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(torch.bfloat16).float()
+
+
+def test_an_e4m3_byte_in_bf16_bits_reads_as_its_value_times_a_power_of_two():
+    """The kernel's decode: byte b in the high byte of a half, then sign kept and exponent-mantissa moved down 4 bits,
+    is b's value times 2**-DECODE_LOG2 for every finite code, subnormals and both zeros included."""
+    codes = torch.arange(256)
+    codes = codes[(codes & 0x7F) != 0x7F]                     # 0x7F and 0xFF are NaN
+    t = codes << 8
+    bits = (t & (fp8._SIGN & 0xFFFF)) | ((t >> 4) & (fp8._MAGNITUDE & 0xFFFF))
+    want = codes.to(torch.uint8).view(torch.float8_e4m3fn).float() * 2.0 ** -fp8.DECODE_LOG2
+    assert torch.equal(_bf16_of_bits(bits), want)
+    assert torch.equal(_bf16_of_bits(bits).signbit(), want.signbit())
+
+
+def test_the_activation_multiplier_of_an_e8m0_scale_is_exact():
+    """BF16 bits ``(e + X_LOG2) << 7`` are ``2**X_LOG2`` times the E8M0 scale ``2**(e - 127)`` for every scale the
+    kernel takes (up to 2**63)."""
+    e = torch.arange(0, 127 + 63 + 1)
+    got = _bf16_of_bits((e + fp8.X_LOG2) << 7)
+    assert torch.equal(got, torch.exp2((e - 127 + fp8.X_LOG2).double()).float())
+
+
+@pytest.mark.parametrize("n,k,groups", FP8_SHAPES)
+def test_every_picked_configuration_is_taken(n, k, groups):
+    """What the heuristics pick for V4's shapes, at every token count a call can have, the kernel takes."""
+    for tokens in (*fp8_linear_token_counts(), 3, 100, 4096):
+        for out_bf16 in (False, True):
+            config = fp8_linear_config(n, k, tokens, out_bf16, groups)
+            assert fp8.Sm90Fp8Linear.can_implement(config), config
+    assert fp8.can_implement(n, k, groups)
+
+
+@pytest.mark.parametrize("config,match", [
+    (Fp8LinearConfig(n=96, k=4096), "multiple of the CTA's 64 rows"),
+    (Fp8LinearConfig(n=1024, k=4000), "K=4000 must be a positive multiple of 128"),
+    (Fp8LinearConfig(n=192, k=1024, groups=2), "above 1 only with N a multiple of 128"),
+    (Fp8LinearConfig(n=1024, k=4096, tile_tokens=72), "tile_tokens must be a multiple of 8"),
+    (Fp8LinearConfig(n=1024, k=4096, k_splits=2, out_bf16=True), "1 with BF16 out"),
+    (Fp8LinearConfig(n=1024, k=4096, row_tiles=2, depth=4), "at most 4 / row_tiles"),
+    (Fp8LinearConfig(n=1024, k=384, depth=2), "divide each of the 1 K shares' k-tiles"),
+])
+def test_configurations_the_kernel_does_not_take_are_refused(config, match):
+    assert not fp8.Sm90Fp8Linear.can_implement(config)
+    with pytest.raises(ValueError, match=match):
+        fp8.Sm90Fp8Linear(config)
+
+
+@pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
+@pytest.mark.parametrize("n,k,groups,scale_dtype", [(1024, 4096, 1, torch.uint8), (1024, 1024, 8, torch.float32)])
+def test_fp8_linear_compiles_sm90a(n, k, groups, scale_dtype):
+    """Every configuration a weight's calls pick (E8M0 and float32 scales, one group and several)."""
+    assert fp8.warmup(n, k, "cpu", scale_dtype=scale_dtype, groups=groups) >= 4
+
+
+def _operands(n: int, k: int, groups: int, scale_f32: bool, tokens: int, seed: int, subnormal: bool = False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = groups * n
+    mag = torch.randint(0, 0x08 if subnormal else 0x7F, (rows, k), device="cuda", generator=gen)  # no NaN code
+    w = (mag | (torch.randint(0, 2, (rows, k), device="cuda", generator=gen) << 7)).to(torch.uint8)
+    blocks = (-(-rows // 128), k // 128)
+    if scale_f32:
+        scale = torch.rand(blocks, device="cuda", generator=gen) * 2 ** -9 + 2 ** -11
+    else:
+        scale = torch.randint(110, 125, blocks, device="cuda", generator=gen).to(torch.uint8)
+        scale = scale.view(torch.float8_e8m0fnu)
+    x = (torch.randn(tokens, groups * k, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+    return w, scale, x
+
+
+def _want(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int) -> torch.Tensor:
+    """float32 reference: ``x[t, g] @ W[g].T`` with W dequantised whole."""
+    weight = fp8_block_dequantize(w, scale)
+    t = x.shape[0]
+    return torch.einsum("tgk,gnk->tgn", x.float().view(t, groups, -1),
+                        weight.view(groups, -1, weight.shape[1])).reshape(t, -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,groups,scale_f32", [(512, 4096, 1, False), (1024, 4096, 1, False),
+                                                  (1024, 4096, 8, False), (4096, 2048, 1, False),
+                                                  (32768, 1024, 1, False), (1024, 4096, 1, True),
+                                                  (1024, 1024, 8, True), (1536, 7168, 1, False)])
+def test_fp8_linear_kernel_matches_reference(n, k, groups, scale_f32):
+    """Token counts inside one tile, across tiles, past the widest and past the kernel's range (W dequantised to BF16,
+    cuBLAS), the output poisoned first. E8M0 scales: the same products as the reference, only the float32 sums' order
+    differs; float32 scales are rounded to BF16 with the activations, or with the weights (module docstring)."""
+    for tokens in (1, 3, 8, 13, 32, 40, 64, 128, 200):
+        w, scale, x = _operands(n, k, groups, scale_f32, tokens, seed=n + k + groups + tokens)
+        out = torch.full((tokens, groups * n), float("nan"), device="cuda")
+        got = fp8.sm90_fp8_linear(x, w, scale, out=out, groups=groups)
+        assert got.data_ptr() == out.data_ptr() and got.isfinite().all()
+        assert rel_err(got, _want(x, w, scale, groups)) < (3e-3 if scale_f32 else 1e-5), tokens
+
+
+@pytest.mark.gpu
+def test_fp8_linear_keeps_subnormal_weights_and_writes_bf16():
+    """Weights of subnormal codes alone (a flush to zero would show), and BF16 out (one rounding of the sums)."""
+    w, scale, x = _operands(1024, 4096, 1, False, 5, seed=3, subnormal=True)
+    want = _want(x, w, scale, 1)
+    assert rel_err(fp8.sm90_fp8_linear(x, w, scale), want) < 1e-5
+    out = torch.full((5, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert rel_err(fp8.sm90_fp8_linear(x, w, scale, out=out), want) < 4e-3
+
+
+@pytest.mark.gpu
+def test_hopper_backend_runs_fp8_linears_on_the_kernel():
+    """``--dense keep`` weights: ``linear`` and ``grouped_linear`` (``wo_a``) launch the FP8 kernel and match the
+    reference backend; a weight the kernel does not tile (N = 96) stays on the reference."""
+    from nvfp4_megamoe.runtime.backend import ReferenceBackend
+    from nvfp4_megamoe.runtime.hopper import HopperBackend
+    from nvfp4_megamoe.runtime.weights import Fp8Linear
+
+    be, ref = HopperBackend(), ReferenceBackend()
+    w, scale, x = _operands(1024, 4096, 1, False, 6, seed=11)
+    lin = Fp8Linear(w.view(torch.float8_e4m3fn), scale)
+    xs = x.float().view(2, 3, 4096)
+    got = be.linear(xs, lin)
+    assert be.kernel_calls["linear"] == 1 and got.shape == (2, 3, 1024)
+    assert rel_err(got, ref.linear(xs, lin)) < 1e-5
+    w, scale, x = _operands(256, 512, 4, False, 6, seed=12)
+    grouped = Fp8Linear(w.view(torch.float8_e4m3fn), scale)
+    xg = x.float().view(2, 3, 4, 512)
+    got = be.grouped_linear(xg, grouped, 4)
+    assert be.kernel_calls["linear"] == 2 and got.shape == (2, 3, 4, 256)
+    assert rel_err(got, ref.grouped_linear(xg, grouped, 4)) < 1e-5
+    w, scale, x = _operands(96, 512, 1, False, 2, seed=13)
+    odd = Fp8Linear(w.view(torch.float8_e4m3fn), scale)
+    assert rel_err(be.linear(x.float(), odd), ref.linear(x.float(), odd)) < 1e-6
+    assert be.kernel_calls["linear"] == 2
