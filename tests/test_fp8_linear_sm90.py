@@ -15,7 +15,8 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 from nvfp4_megamoe.kernels import sm90_fp8_linear as fp8  # noqa: E402
 from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_config import Fp8LinearConfig  # noqa: E402
-from nvfp4_megamoe.kernels.sm90_heuristics import fp8_linear_config, fp8_linear_token_counts  # noqa: E402
+from nvfp4_megamoe.kernels.sm90_heuristics import (FP8_KERNEL_MAX_TOKENS, fp8_kernel_pays, fp8_linear_config,  # noqa: E402
+                                                   fp8_linear_token_counts)
 from numeric import rel_err  # noqa: E402
 
 # (N, K, groups) of V4-Flash's and V4-Pro's FP8 linears: wq_a, wq_b, wkv, wo_a, wo_b, shared w1/w3, w2, indexer wq_b
@@ -51,12 +52,14 @@ def test_the_activation_multiplier_of_an_e8m0_scale_is_exact():
 
 @pytest.mark.parametrize("n,k,groups", FP8_SHAPES)
 def test_every_picked_configuration_is_taken(n, k, groups):
-    """What the heuristics pick for V4's shapes, at every token count a call can have, the kernel takes."""
-    for tokens in (*fp8_linear_token_counts(), 3, 100, 4096):
-        for out_bf16 in (False, True):
-            config = fp8_linear_config(n, k, tokens, out_bf16, groups)
-            assert fp8.Sm90Fp8Linear.can_implement(config), config
-    assert fp8.can_implement(n, k, groups)
+    """What the heuristics pick for V4's shapes, at every token count the kernel runs, the kernel takes, and the
+    warm-up's token counts reach all of it (no call compiles)."""
+    warmed = {fp8_linear_config(n, k, t, False, groups) for t in fp8_linear_token_counts()}
+    for tokens in range(1, FP8_KERNEL_MAX_TOKENS + 1):
+        config = fp8_linear_config(n, k, tokens, False, groups)
+        assert config in warmed and fp8.Sm90Fp8Linear.can_implement(config), config
+        assert fp8.Sm90Fp8Linear.can_implement(fp8_linear_config(n, k, tokens, True, groups))
+    assert fp8.can_implement(n, k, groups) and not fp8_kernel_pays(FP8_KERNEL_MAX_TOKENS + 1)
 
 
 @pytest.mark.parametrize("config,match", [
@@ -113,7 +116,7 @@ def test_fp8_linear_kernel_matches_reference(n, k, groups, scale_f32):
     """Token counts inside one tile, across tiles, past the widest and past the kernel's range (W dequantised to BF16,
     cuBLAS), the output poisoned first. E8M0 scales: the same products as the reference, only the float32 sums' order
     differs; float32 scales are rounded to BF16 with the activations, or with the weights (module docstring)."""
-    for tokens in (1, 3, 8, 13, 32, 40, 64, 128, 200):
+    for tokens in (1, 3, 8, 13, 32, 40, 64, 128, 200, 300):
         w, scale, x = _operands(n, k, groups, scale_f32, tokens, seed=n + k + groups + tokens)
         out = torch.full((tokens, groups * n), float("nan"), device="cuda")
         got = fp8.sm90_fp8_linear(x, w, scale, out=out, groups=groups)
