@@ -36,7 +36,7 @@ from nvfp4_megamoe.runtime.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FIL
 from .errors import ConvertError, OutputError
 from .hub import HubSource
 from .locate import open_source
-from .options import DEFAULT_SHARD_SIZE, Options, default_workers
+from .options import DEFAULT_DENSE, DEFAULT_SHARD_SIZE, Options, default_workers
 from .output_config import write_extra_files
 from .output_folder import check_output
 from .plan import Plan, make_plan
@@ -269,7 +269,7 @@ def _finish(src: Source, plan: Plan, out: Path, writer: ShardWriter, source_file
     return manifest
 
 
-def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, dense: str = "nvfp4",
+def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, dense: str = DEFAULT_DENSE,
                        target: str = "sm100", shard_size: int = DEFAULT_SHARD_SIZE, dry_run: bool = False,
                        progress: bool = True, on_plan: Callable[[Plan], None] | None = None,
                        revision: str | None = None,
@@ -278,7 +278,8 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
                        device: str | torch.device = "cpu") -> ConvertResult:
     """Convert a DeepSeek-V4 checkpoint (a folder, or a Hub repo id ``owner/name``) to format 1 in ``out``.
 
-    ``target``: ``"sm100"`` (format 1's canonical layout) or ``"sm90"`` (routed experts' packed weights in
+    ``dense``: ``"keep"`` passes the dense FP8 linears through as the source has them, ``"nvfp4"`` requantises them
+    (``docs/cli.md`` says what each costs). ``target``: ``"sm100"`` (format 1's canonical layout) or ``"sm90"`` (routed experts' packed weights in
     Hopper row tiles, ``kernels/row_tiles.py``). Everything is validated (headers, index, rule matching, siblings,
     shapes) before the output
     folder is created; tensor values (NaN/Inf, NaN scale bytes) are checked as they are read.

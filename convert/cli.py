@@ -23,7 +23,7 @@ from nvfp4_megamoe.errors import Nvfp4MegamoeError
 from nvfp4_megamoe.input_files import folder_problem
 
 from .hashing import hash_ahead
-from .options import DEFAULT_SHARD_SIZE, TARGETS, default_workers
+from .options import DEFAULT_DENSE, DEFAULT_SHARD_SIZE, DENSE_MODES, TARGETS, default_workers
 from .summary import counted, matrix_counts, matrix_line, tensor_kind, tensor_kinds, tensor_line
 from .synth_config import PRESETS, VARIANTS
 
@@ -143,8 +143,10 @@ def main() -> None:
 @main.command()
 @click.argument("source")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--dense", type=click.Choice(["nvfp4", "keep"]), default="nvfp4", show_default=True,
-              help="Dense FP8 linears: requantize to NVFP4, or keep them as they are.")
+@click.option("--dense", type=click.Choice(list(DENSE_MODES)), default=DEFAULT_DENSE, show_default=True,
+              help="Dense FP8 linears (attention, shared experts, indexer projections): keep them as released (byte "
+                   "for byte), or requantize them to NVFP4, which saves about 2 % of the checkpoint at a relative "
+                   "weight error of about 0.1 and a 3-19 % faster H200 decode step (docs/cli.md).")
 @click.option("--target", type=click.Choice(list(TARGETS)), default="sm100", show_default=True,
               help="GPUs the checkpoint is for: sm100 is format 1's canonical layout (any GPU); sm90 also lays the "
                    "routed experts' weights out in Hopper row tiles, which the H100/H200 MoE kernels read 6-12 % "

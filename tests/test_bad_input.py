@@ -179,7 +179,7 @@ def test_output_folder_holding_a_different_conversion(src, tmp_path):
     assert result.exit_code == 0, result.output
     finished = _tree_hash(out)
     before = _tree_hash(src)
-    for args in ((), ("--dense", "keep"), ("--dense", "keep", "--resume")):
+    for args in ((), ("--dense", "nvfp4"), ("--dense", "nvfp4", "--resume")):
         result = CliRunner().invoke(main, ["convert", str(src), str(out), "--no-progress", *args])
         assert result.exit_code != 0 and "already holds a finished conversion" in result.output, result.output
         assert str(out) in result.output

@@ -41,7 +41,7 @@ def test_the_readme_python_snippet_runs_as_written(tmp_path_factory, tmp_path, m
 
 def test_convert_inspect_and_verify_count_in_the_same_words(tmp_path_factory, tmp_path):
     out = tmp_path / "out"
-    words = cli("convert", pristine(tmp_path_factory, "flash"), out, "--no-progress").output
+    words = cli("convert", pristine(tmp_path_factory, "flash"), out, "--no-progress", "--dense", "nvfp4").output
     kinds = "(lossless 36, lossy 138, passthrough 112)"
     tensors = f"286 tensors {kinds}"
     matrices = "NVFP4 matrices: 58 (12 routed-expert stacks, 46 dense; lossless 12, lossy 46)"
@@ -55,7 +55,8 @@ def test_the_demo_prints_the_rule_table_once(tmp_path):
     result = cli("demo", "--workdir", tmp_path / "demo")
     assert result.exit_code == 0, result.output
     assert result.output.count("per rule:") == 1 and result.output.count("passthrough.norm") == 1, result.output
-    assert result.output.count("NVFP4 matrices: 58 (") == 2  # the conversion's result, and inspect's
+    # the conversion's result, and inspect's: the routed experts' stacks alone (the default keeps the dense FP8)
+    assert result.output.count("NVFP4 matrices: 12 (12 routed-expert stacks, 0 dense;") == 2, result.output
 
 
 def test_a_converted_checkpoint_is_named_as_the_readme_names_it(tmp_path_factory):

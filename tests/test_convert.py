@@ -166,8 +166,10 @@ def test_index_shards_and_metadata(converted, variant):
     assert source_config(json.loads((out.root / "config.json").read_text())) == json.loads((source / "config.json").read_text())
 
 
-def test_dense_fp8_requantized_with_measured_error(converted):
-    src, out, manifest = converted["flash"]
+def test_dense_fp8_requantized_with_measured_error(synth_checkpoints):
+    """``--dense nvfp4``: the dense FP8 linears requantised, their error measured and recorded."""
+    conversion = synth_checkpoints.converted("flash", dense="nvfp4")
+    src, out, manifest = Checkpoint(conversion.source), Checkpoint(conversion.output), _manifest(conversion.output)
     entry = manifest["tensors"]["layers.0.attn.wq_a.weight"]
     assert entry["lossless"] is False and 0 < entry["error"]["rel_fro"] < 0.15
     w, s = src.get("layers.0.attn.wq_a.weight"), src.get("layers.0.attn.wq_a.scale")
@@ -182,11 +184,16 @@ def test_dense_fp8_requantized_with_measured_error(converted):
     assert shared.shape[0] == 2 * src.get("layers.0.ffn.shared_experts.w1.weight").shape[0]
 
 
-def test_dense_keep_passes_fp8_through(synth_checkpoints):
-    src, out = synth_checkpoints.converted("flash", dense="keep")
-    s, o = Checkpoint(src), Checkpoint(out)
-    for name in ("layers.0.attn.wq_a.weight", "layers.0.attn.wq_a.scale", "layers.0.ffn.shared_experts.w1.weight"):
-        assert torch.equal(s.get(name).view(torch.uint8), o.get(name).view(torch.uint8))
+def test_the_default_keeps_every_dense_fp8_tensor_as_released(converted):
+    """The default (``--dense keep``): every non-expert tensor byte-identical to the source, nothing lossy but
+    what the routed experts' cast records (none here), the shared expert under its source names."""
+    s, o, manifest = converted["flash"]
+    assert manifest["options"]["dense"] == "keep"
+    kept = [n for n in s.names() if ".ffn.experts." not in n]
+    assert any(n.endswith("attn.wq_a.weight") for n in kept) and any(n.endswith("attn.wq_a.scale") for n in kept)
+    for name in kept:
+        assert torch.equal(s.get(name).view(torch.uint8), o.get(name).view(torch.uint8)), name
+    assert not [n for n, e in manifest["tensors"].items() if e.get("lossless") is False]
     assert "layers.0.ffn.experts.w13.weight" in o.names()
     assert not any(n.startswith("layers.0.ffn.shared_experts.w13") for n in o.names())
 

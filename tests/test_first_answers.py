@@ -21,7 +21,7 @@ def test_answers_that_need_no_tensor_math_come_before_torch(tmp_path_factory, tm
     (tmp_path / "taken" / "notes.txt").write_text("not a conversion")
     runs = answers(["--help"], ["inspect", out], ["inspect", src], ["inspect", out, "--json"],
                    ["convert", "/no/such/folder", tmp_path / "o1"], ["convert", "w/missing", tmp_path / "o2"],
-                   ["convert", src, out], ["convert", src, out, "--dense", "keep"],
+                   ["convert", src, out], ["convert", src, out, "--dense", "nvfp4"],
                    ["convert", src, tmp_path / "taken"], ["convert", src, src / "inside"],
                    ["verify", "/no/such/folder"], cwd=tmp_path)
     by = {" ".join(r["args"]).replace(str(tmp_path), "TMP"): r for r in runs}
@@ -39,6 +39,6 @@ def test_answers_that_need_no_tensor_math_come_before_torch(tmp_path_factory, tm
     assert "/no/such/folder: no such folder" in refusals[0]["output"]
     assert "w/missing: no such folder" in refusals[1]["output"] and "Hub" in refusals[1]["output"], refusals[1]
     assert "the same source and options" in refusals[2]["output"]
-    assert "--dense nvfp4 there, keep here" in refusals[3]["output"], refusals[3]
+    assert "--dense keep there, nvfp4 here" in refusals[3]["output"], refusals[3]
     assert "not empty" in refusals[4]["output"] and "inside the source folder" in refusals[5]["output"]
     assert "/no/such/folder: no such folder" in refusals[6]["output"]

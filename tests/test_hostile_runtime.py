@@ -26,7 +26,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture
 def out(tmp_path_factory, tmp_path) -> Path:
-    return copy_tree(converted(tmp_path_factory, "flash"), tmp_path / "out")
+    """A conversion with NVFP4 dense layers (``--dense nvfp4``: scales and alphas to damage), a copy of its own."""
+    return copy_tree(converted(tmp_path_factory, "flash", dense="nvfp4"), tmp_path / "out")
+
+
+@pytest.fixture
+def kept(tmp_path_factory, tmp_path) -> Path:
+    """A default conversion (dense FP8 linears kept as released), a copy of its own."""
+    return copy_tree(converted(tmp_path_factory, "flash"), tmp_path / "kept")
 
 
 def _refused(path: Path, *must_name: str) -> str:
@@ -56,6 +63,15 @@ def _replace(out: Path, tensor: str, value: torch.Tensor) -> None:
 def test_tensors_contradicting_the_format_or_config(out, tensor, value, expect):
     _replace(out, tensor, value)
     _refused(out, tensor, expect, "convert the source again")
+
+
+@pytest.mark.parametrize("tensor, value, expect", [
+    ("layers.1.attn.wq_a.scale", torch.zeros(3, dtype=torch.uint8), "is U8 [3]"),
+    ("layers.2.attn.wkv.weight", torch.zeros(4, 4, dtype=torch.bfloat16), "is BF16 [4, 4]"),
+])
+def test_kept_fp8_tensors_contradicting_the_format(kept, tensor, value, expect):
+    _replace(kept, tensor, value)
+    _refused(kept, tensor, expect, "convert the source again")
 
 
 def test_a_config_contradicting_the_tensors(out):

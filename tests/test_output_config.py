@@ -42,7 +42,7 @@ def _configs(src, out) -> tuple[dict, dict]:
 
 
 def test_a_conversion_describes_format_1_and_keeps_the_source_block(tmp_path_factory):
-    src, out = pristine(tmp_path_factory, "flash"), converted(tmp_path_factory, "flash")
+    src, out = pristine(tmp_path_factory, "flash"), converted(tmp_path_factory, "flash", dense="nvfp4")
     cfg, source = _configs(src, out)
     q = cfg["quantization_config"]
     assert (q["quant_method"], q["format"], q["group_size"], q["layout"], q["target"]) == \

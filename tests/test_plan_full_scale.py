@@ -102,7 +102,7 @@ def official_tensors(c: dict, variant: str = "flash") -> list[tuple[str, str, tu
                          ids=["v4-flash", "v4-pro", "v4-flash-base", "v4-flash-modelopt"])
 def test_every_full_scale_tensor_maps_to_format_1(config, variant):
     src = HeaderOnlySource(config, official_tensors(config, variant))
-    plan = make_plan(src, Options())
+    plan = make_plan(src, Options(dense="nvfp4"))
     outs = {o.name: o for o in plan.outputs}
     sources = {s for o in plan.outputs for s in o.sources}
     assert sources == set(src.tensors)
@@ -128,12 +128,21 @@ def test_every_full_scale_tensor_maps_to_format_1(config, variant):
     assert low * src_bytes < plan.total_bytes < high * src_bytes
 
 
-def test_full_scale_dense_keep_changes_only_dense_layers():
+def test_full_scale_default_keeps_the_dense_layers_as_released():
+    """The default (``--dense keep``): every dense FP8 tensor is an output of its own, byte for byte; only the
+    routed experts change."""
     src = HeaderOnlySource(FLASH, official_tensors(FLASH))
-    plan = make_plan(src, Options(dense="keep"))
-    names = {o.name for o in plan.outputs}
-    assert "layers.7.attn.wq_b.scale" in names and "layers.7.ffn.shared_experts.w3.weight" in names
-    assert "layers.7.ffn.experts.w13.weight" in names
+    plan = make_plan(src, Options())
+    assert plan.options.dense == "keep"
+    outs = {o.name: o for o in plan.outputs}
+    assert "layers.7.attn.wq_b.scale" in outs and "layers.7.ffn.shared_experts.w3.weight" in outs
+    assert "layers.7.ffn.experts.w13.weight" in outs
+    kept = [name for name, t in src.tensors.items() if t.info.dtype == "F8_E4M3" and ".ffn.experts." not in name]
+    assert len(kept) > 300
+    for name in kept:
+        info = src.tensors[name].info
+        assert list(outs[name].sources) == [name] and (outs[name].dtype, tuple(outs[name].shape)) == (info.dtype,
+                                                                                                    tuple(info.shape))
 
 
 def test_full_scale_unknown_and_mismatched_tensors_are_all_reported():

@@ -116,7 +116,7 @@ def test_resume_refuses_other_options_and_changed_source(ckpt, synth_checkpoints
     with pytest.raises(OutputError, match="--resume"):  # not without --resume
         convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False)
     with pytest.raises(OutputError, match="options.*dense"):
-        convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False, resume=True, dense="keep")
+        convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False, resume=True, dense="nvfp4")
     with pytest.raises(OutputError, match="options.*shard_size"):
         convert_checkpoint(ckpt, out, shard_size=SHARD * 2, progress=False, resume=True)
     other = synth_checkpoints.source("flash", seed=1)
@@ -154,8 +154,8 @@ def test_resume_of_a_finished_folder_is_a_no_op(ckpt, clean, tmp_path):
     result = convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False, resume=True)
     assert result.skipped_shards == len(result.plan.shards)
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
-    with pytest.raises(OutputError, match=r"differs from this one: other options \(--dense nvfp4 there, keep here\)"):
-        convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False, resume=True, dense="keep")
+    with pytest.raises(OutputError, match=r"differs from this one: other options \(--dense keep there, nvfp4 here\)"):
+        convert_checkpoint(ckpt, out, shard_size=SHARD, progress=False, resume=True, dense="nvfp4")
     with pytest.raises(OutputError, match=r"differs from this one: another source \(.*, this run converts "):
         convert_checkpoint(clean, out, shard_size=SHARD, progress=False, resume=True)
 

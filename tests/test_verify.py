@@ -21,17 +21,19 @@ from nvfp4_megamoe.runtime.format import INDEX_FILE, MANIFEST_FILE
 from synth_checkpoints import writable_copy
 
 # (variant, convert options, synth options)
+# (the cases with NVFP4 dense layers, ``--dense nvfp4``, have the most converted tensors to check and to damage)
+NVFP4 = {"dense": "nvfp4"}
 CASES = {
-    "flash": ("flash", {"shard_size": 1_000_000}, {"out_of_range_blocks": 3}),
-    "pro": ("pro", {}, {}),
-    "base": ("base", {}, {}),
-    "modelopt": ("modelopt", {}, {}),
-    "flash-keep": ("flash", {"dense": "keep"}, {}),
+    "flash": ("flash", {"shard_size": 1_000_000, **NVFP4}, {"out_of_range_blocks": 3}),
+    "pro": ("pro", NVFP4, {}),
+    "base": ("base", NVFP4, {}),
+    "modelopt": ("modelopt", NVFP4, {}),
+    "flash-keep": ("flash", {"dense": "keep"}, {}),   # the default
     # I = 96: w13 has 192 rows (padded to 256), w2 6 scale columns (padded to 8).
-    "padded": ("flash", {}, {"moe_intermediate_size": 96}),
+    "padded": ("flash", NVFP4, {"moe_intermediate_size": 96}),
     # routed experts' weights in Hopper row tiles
-    "flash-sm90": ("flash", {"target": "sm90"}, {"out_of_range_blocks": 3}),
-    "modelopt-sm90": ("modelopt", {"target": "sm90"}, {}),
+    "flash-sm90": ("flash", {"target": "sm90", **NVFP4}, {"out_of_range_blocks": 3}),
+    "modelopt-sm90": ("modelopt", {"target": "sm90", **NVFP4}, {}),
 }
 CLEAN = ["flash", "pro", "base", "modelopt", "flash-keep", "flash-sm90", "modelopt-sm90"]
 
