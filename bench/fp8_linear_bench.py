@@ -1,5 +1,4 @@
-"""The dense FP8 linears of a layer (``--dense keep``) against their floor, side by side with the NVFP4 linear and
-torch's FP8 GEMM.
+"""The dense FP8 linears of a layer against their floor, beside the NVFP4 linear and torch's FP8 GEMM.
 
 Every dense linear of a V4 layer that the official releases store in FP8 (``--preset``: the shapes of
 ``flash-layer`` or ``pro-layer``; the shared expert's w1 and w3 apart, as the source has them), at T = 1, 8, 32,
@@ -26,7 +25,6 @@ too. Numerics are checked by the GPU tests (``tests/test_fp8_linear_sm90.py``), 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import replace
@@ -35,9 +33,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-TOKENS = (1, 8, 32, 64, 128)
-PREFILL_TOKENS = (2048,)  # with --prefill
 
 
 def fp8_shapes(preset: str) -> list[tuple[str, int, int, int]]:
@@ -90,16 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     from nvfp4_megamoe.kernels.fp8_reference import fp8_linear
     from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="flash-layer", choices=["flash-layer", "pro-layer"])
-    ap.add_argument("--sweep", action="store_true", help="time the FP8 kernel's alternatives, not only the pick")
-    ap.add_argument("--prefill", action="store_true", help=f"also T = {PREFILL_TOKENS} (a prefill chunk)")
-    ap.add_argument("--tokens", type=int, nargs="+", help=f"token counts to time (default {TOKENS})")
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--chain", type=int, default=8, help="calls per timed graph, each on its own weight copy")
-    ap.add_argument("--json", type=Path, help="write the rows here")
-    args = ap.parse_args(argv)
-    tokens = tuple(args.tokens or TOKENS) + (PREFILL_TOKENS if args.prefill else ())
+    from linear_bench import parse_arguments
+
+    args, tokens = parse_arguments(__doc__, "time the FP8 kernel's alternatives, not only the pick", argv)
 
     copy_bw, bf16_rate, fp8_rate = measure_copy(), measure_bf16_matmul(), measure_fp8_matmul()
     timer = ColdTimer()

@@ -32,6 +32,22 @@ TOKENS = (1, 8, 32, 64, 128)
 PREFILL_TOKENS = (2048,)  # with --prefill
 
 
+def parse_arguments(doc: str, sweep_help: str, argv: list[str] | None) -> tuple[argparse.Namespace, tuple[int, ...]]:
+    """The dense-linear benchmarks' options (a preset, ``--sweep``, the token counts, timing, ``--json``) and the token
+    counts they ask for."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--preset", default="flash-layer", choices=["flash-layer", "pro-layer"])
+    ap.add_argument("--sweep", action="store_true", help=sweep_help)
+    ap.add_argument("--prefill", action="store_true",
+                    help=f"also T = {', '.join(map(str, PREFILL_TOKENS))} (a prefill chunk)")
+    ap.add_argument("--tokens", type=int, nargs="+", help=f"token counts to time (default {TOKENS})")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--chain", type=int, default=8, help="calls per timed graph, each on its own weight copy")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args(argv)
+    return args, tuple(args.tokens or TOKENS) + (PREFILL_TOKENS if args.prefill else ())
+
+
 def dense_shapes(preset: str) -> list[tuple[str, int, int, int]]:
     """(name, N, K, groups) of every dense NVFP4 linear of a layer of ``preset``, and of the head."""
     from nvfp4_megamoe.convert.synth_config import synthetic_config
@@ -107,16 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     from nvfp4_megamoe.kernels.sm90_moe_wgmma import Sm90Nvfp4WgmmaGemm
     from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="flash-layer", choices=["flash-layer", "pro-layer"])
-    ap.add_argument("--sweep", action="store_true", help="time the kernels' alternatives, not only the picked one")
-    ap.add_argument("--prefill", action="store_true", help=f"also T = {PREFILL_TOKENS} (a prefill chunk)")
-    ap.add_argument("--tokens", type=int, nargs="+", help=f"token counts to time (default {TOKENS})")
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--chain", type=int, default=8, help="calls per timed graph, each on its own weight copy")
-    ap.add_argument("--json", type=Path, help="write the rows here")
-    args = ap.parse_args(argv)
-    tokens = tuple(args.tokens or TOKENS) + (PREFILL_TOKENS if args.prefill else ())
+    args, tokens = parse_arguments(__doc__, "time the kernels' alternatives, not only the picked one", argv)
 
     copy_bw, bf16_rate = measure_copy(), measure_bf16_matmul()
     timer = ColdTimer()

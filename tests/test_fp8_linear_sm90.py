@@ -15,8 +15,8 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 from nvfp4_megamoe.kernels import sm90_fp8_linear as fp8  # noqa: E402
 from nvfp4_megamoe.kernels.fp8 import fp8_block_dequantize  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_config import Fp8LinearConfig  # noqa: E402
-from nvfp4_megamoe.kernels.sm90_heuristics import (FP8_KERNEL_MAX_TOKENS, fp8_kernel_pays, fp8_linear_config,  # noqa: E402
-                                                   fp8_linear_token_counts)
+from nvfp4_megamoe.kernels.sm90_heuristics import (  # noqa: E402
+    FP8_KERNEL_MAX_TOKENS, fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts)
 from numeric import rel_err  # noqa: E402
 
 # (N, K, groups) of V4-Flash's and V4-Pro's FP8 linears: wq_a, wq_b, wkv, wo_a, wo_b, shared w1/w3, w2, indexer wq_b
