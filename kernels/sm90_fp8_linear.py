@@ -18,8 +18,8 @@ are scaled: every weight row of a CTA (64 or 128 rows, inside one 128-row scale 
 scale, so each k-tile's activation words are multiplied by ``2**X_LOG2 * scale`` (one BF16 multiply per word, shared
 by all the thread's rows; exact for E8M0 scales, which are powers of two; float32 scales are rounded to BF16 there,
 a relative 2**-9, finer than the per-128 FP8 quantisation of activations the official inference applies). The
-products are then normal floats and the epilogue multiplies by ``2**(120 - X_LOG2)``. E8M0 scales must be at most
-``2**63`` (every FP8 weight's are: its values would otherwise exceed ``448 * 2**63``).
+products are then normal floats and the epilogue multiplies by ``2**(120 - X_LOG2)``. Block scales must be at most
+``2**63`` (:func:`scales_fit`; every real FP8 weight's are: its values would otherwise exceed ``448 * 2**63``).
 
 Output: float32 or BF16 [T, G * N]; with ``k_splits`` > 1 (float32 only) each of the CTAs that share a tile's K adds
 its partial sums (``red.add``) into an output the caller zeroed. The configuration is an ``Fp8LinearConfig``
@@ -276,6 +276,19 @@ def can_implement(n: int, k: int, groups: int = 1) -> bool:
 def linear_op(config: Fp8LinearConfig) -> Sm90Fp8Linear:
     """One kernel object per configuration: a call (every FP8 linear of a decode step) does not check it again."""
     return Sm90Fp8Linear(config)
+
+
+MAX_SCALE_LOG2 = 127 - X_LOG2      # the largest block scale, 2**63, whose activation multiplier is a finite BF16 ...
+MAX_E8M0 = 127 + MAX_SCALE_LOG2     # ... as an E8M0 byte (190)
+
+
+def scales_fit(scale: torch.Tensor) -> bool:
+    """Whether every block scale is one the kernel takes (at most ``2**MAX_SCALE_LOG2``, finite, and not negative):
+    a larger one would make its activation multiplier infinite. No weight of a real checkpoint comes near (its values
+    would exceed ``448 * 2**63``); the backend runs such a weight on the reference. Reads the scales (a device sync)."""
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        return scale.numel() == 0 or int(scale.view(torch.uint8).max()) <= MAX_E8M0
+    return bool(torch.isfinite(scale).all() and (scale >= 0).all() and (scale <= 2.0 ** MAX_SCALE_LOG2).all())
 
 
 def _scale_operand(scale: torch.Tensor) -> torch.Tensor:

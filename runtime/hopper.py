@@ -79,6 +79,7 @@ class HopperBackend(ReferenceBackend):
         self._linear_fits: dict[tuple, bool] = {}
         self._indexer_ready: set[tuple] = set()
         self._f32_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id -> (weight, its float32 copy)
+        self._fp8_scales_fit: dict[int, tuple[torch.Tensor, bool]] = {}        # id -> (FP8 block scales, taken?)
         self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0, "hc_pre": 0,
                              "hc_post": 0}
         self.warmup_seconds: float | None = None
@@ -100,8 +101,9 @@ class HopperBackend(ReferenceBackend):
                 sm90_nvfp4_linear.warmup(n, k, device, groups=groups)
         return self._linear_fits[key]
 
-    def _fp8_ready(self, w: Fp8Linear, groups: int, device: torch.device) -> bool:
-        """Whether the FP8 kernel tiles ``groups`` W of ``w``; the first time it does, compiles its configurations."""
+    def _fp8_ready(self, w: Fp8Linear, groups: int, device: torch.device, *, shapes_only: bool = False) -> bool:
+        """Whether the FP8 kernel tiles ``groups`` W of ``w`` (the first time it does, compiles its configurations) and
+        takes its block scales (read once per weight, unless ``shapes_only``: the warm-up, before the bytes are in)."""
         from nvfp4_megamoe.kernels import sm90_fp8_linear
 
         n, k = w.weight.shape[0] // groups, w.weight.shape[1]
@@ -111,7 +113,12 @@ class HopperBackend(ReferenceBackend):
             self._linear_fits[key] = sm90_fp8_linear.can_implement(n, k, groups)
             if self._linear_fits[key]:
                 sm90_fp8_linear.warmup(n, k, device, scale_dtype=scale_dtype, groups=groups)
-        return self._linear_fits[key]
+        if shapes_only or not self._linear_fits[key]:
+            return self._linear_fits[key]
+        fits = self._fp8_scales_fit.get(id(w.scale))
+        if fits is None or fits[0] is not w.scale:
+            fits = self._fp8_scales_fit[id(w.scale)] = (w.scale, sm90_fp8_linear.scales_fit(w.scale))
+        return fits[1]
 
     def _fp8_linear(self, x: torch.Tensor, w: Fp8Linear, groups: int) -> torch.Tensor:
         """x [..., G * K] (G = ``groups``) -> float32 [..., G * N] by the FP8 kernel (``_fp8_ready`` said yes)."""
@@ -364,7 +371,7 @@ class HopperBackend(ReferenceBackend):
             for w in _kernel_linears(lw):
                 groups = cfg.o_groups if w is a.wo_a else 1
                 if isinstance(w, Fp8Linear):
-                    self._fp8_ready(w, groups, dev)
+                    self._fp8_ready(w, groups, dev, shapes_only=True)
                 else:
                     self._linear_ready(w.weight.shape[0] // groups, 2 * w.weight.shape[1], dev, groups)
         if sm90_mhc.Sm90HcPre.can_implement(cfg.hc_mult, cfg.hidden_size):

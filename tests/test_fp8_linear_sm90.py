@@ -50,6 +50,22 @@ def test_the_activation_multiplier_of_an_e8m0_scale_is_exact():
     assert torch.equal(got, torch.exp2((e - 127 + fp8.X_LOG2).double()).float())
 
 
+def test_scales_past_what_the_multiplier_holds_are_not_taken():
+    """Block scales up to 2**63 (E8M0 byte 190) are taken; larger, negative or not finite ones are not (the backend
+    runs those weights on the reference)."""
+    e8m0 = torch.full((2, 3), 120, dtype=torch.uint8)
+    assert fp8.scales_fit(e8m0) and fp8.scales_fit(e8m0.view(torch.float8_e8m0fnu))
+    e8m0[1, 2] = fp8.MAX_E8M0
+    assert fp8.scales_fit(e8m0)
+    e8m0[1, 2] = fp8.MAX_E8M0 + 1
+    assert not fp8.scales_fit(e8m0) and not fp8.scales_fit(e8m0.view(torch.float8_e8m0fnu))
+    f32 = torch.full((2, 3), 2.0 ** -9)
+    assert fp8.scales_fit(f32)
+    for bad in (2.0 ** 64, float("inf"), float("nan"), -1.0):
+        f32[0, 0] = bad
+        assert not fp8.scales_fit(f32), bad
+
+
 @pytest.mark.parametrize("n,k,groups", FP8_SHAPES)
 def test_every_picked_configuration_is_taken(n, k, groups):
     """What the heuristics pick for V4's shapes, at every token count the kernel runs, the kernel takes, and the
@@ -158,4 +174,9 @@ def test_hopper_backend_runs_fp8_linears_on_the_kernel():
     w, scale, x = _operands(96, 512, 1, False, 2, seed=13)
     odd = Fp8Linear(w.view(torch.float8_e4m3fn), scale)
     assert rel_err(be.linear(x.float(), odd), ref.linear(x.float(), odd)) < 1e-6
+    assert be.kernel_calls["linear"] == 2
+    w, scale, x = _operands(1024, 4096, 1, False, 2, seed=14)   # a block scale of 2**73: the reference's
+    scale.view(torch.uint8)[3, 5] = fp8.MAX_E8M0 + 10
+    huge = Fp8Linear(w.view(torch.float8_e4m3fn), scale)
+    assert rel_err(be.linear(x.float(), huge), ref.linear(x.float(), huge)) < 1e-6
     assert be.kernel_calls["linear"] == 2
