@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import replace
 import json
 import multiprocessing
 import os
@@ -88,7 +89,9 @@ def jobs(every: bool) -> list[tuple]:
     from nvfp4_megamoe.kernels.sm90_decode_attention import (CLUSTERS, Sm90DecodeAttention,
                                                              Sm90DecodeAttentionCombine)
     from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre
-    from sm90_stand_ins import decode_attention_args, hc_post_args, hc_pre_args
+    from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Linear
+    from nvfp4_megamoe.kernels.sm90_heuristics import fp8_linear_config, fp8_linear_token_counts
+    from sm90_stand_ins import FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args
 
     found: dict[tuple, tuple] = {}
     record = lambda op, tensors: found.setdefault((type(op).__name__, op.key()), (op, tensors))  # noqa: E731
@@ -110,6 +113,18 @@ def jobs(every: bool) -> list[tuple]:
         record(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]])
     record(Sm90HcPre(hc=4, iters=20, hc_eps=1e-6, norm_eps=1e-6), hc_pre_args(4))
     record(Sm90HcPost(hc=4), hc_post_args(4))
+    # the FP8 linears: one configuration per register shape (token tile, row tiles, depth) V4's weights pick, and the
+    # float32-scale and BF16-out forms of the decode one
+    fp8_shapes: dict[tuple, object] = {}
+    for n, k, groups in FP8_LINEAR_SHAPES:
+        for tokens in fp8_linear_token_counts():
+            config = fp8_linear_config(n, k, tokens, groups=groups)
+            fp8_shapes.setdefault((config.tile_tokens, config.row_tiles, config.depth), config)
+    for config in fp8_shapes.values():
+        record(Sm90Fp8Linear(config), fp8_linear_args())
+    decode = fp8_linear_config(1024, 4096, 1)
+    record(Sm90Fp8Linear(replace(decode, scale_f32=True)), fp8_linear_args(scale_f32=True))
+    record(Sm90Fp8Linear(fp8_linear_config(1024, 4096, 1, out_bf16=True)), fp8_linear_args(out_bf16=True))
     chosen = list(found.values())
     if not every:  # per GEMM configuration up to its token tile: the widest tile (then the fewest MMA widths)
         widest: dict[tuple, tuple] = {}

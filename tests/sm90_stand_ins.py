@@ -48,3 +48,16 @@ def hc_post_args(hc: int, h: int = 64, n: int = 5, dtype: torch.dtype = torch.bf
     """out, x, post, comb, y of ``Sm90HcPost`` for ``n`` tokens of ``hc`` streams of ``h`` (``out`` in ``dtype``)."""
     return [torch.zeros(n, h, dtype=dtype), torch.zeros(n, hc * h), torch.zeros(n, hc), torch.zeros(n, hc * hc),
             torch.zeros(n, hc * h)]
+
+
+# (N, K, groups) of V4-Flash's and V4-Pro's FP8 linears: wq_a, wq_b, wkv, wo_a, wo_b, shared w1/w3, w2, indexer wq_b
+FP8_LINEAR_SHAPES = [(1024, 4096, 1), (32768, 1024, 1), (512, 4096, 1), (1024, 4096, 8), (4096, 8192, 1),
+                     (2048, 4096, 1), (4096, 2048, 1), (8192, 1024, 1), (1536, 7168, 1), (65536, 1536, 1),
+                     (1024, 8192, 16), (7168, 16384, 1), (3072, 7168, 1), (7168, 3072, 1)]
+
+
+def fp8_linear_args(scale_f32: bool = False, out_bf16: bool = False) -> list[torch.Tensor]:
+    """w, scale, x, out of ``Sm90Fp8Linear``."""
+    scale = torch.zeros(2, 2, dtype=torch.float32 if scale_f32 else torch.uint8)
+    out = torch.zeros(3, 256, dtype=torch.bfloat16 if out_bf16 else torch.float32)
+    return [torch.zeros(256, 256, dtype=torch.uint8), scale, torch.zeros(3, 256, dtype=torch.bfloat16), out]

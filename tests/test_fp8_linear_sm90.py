@@ -18,11 +18,8 @@ from nvfp4_megamoe.kernels.sm90_config import Fp8LinearConfig  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_heuristics import (  # noqa: E402
     FP8_KERNEL_MAX_TOKENS, fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts)
 from numeric import rel_err  # noqa: E402
+from sm90_stand_ins import FP8_LINEAR_SHAPES  # noqa: E402
 
-# (N, K, groups) of V4-Flash's and V4-Pro's FP8 linears: wq_a, wq_b, wkv, wo_a, wo_b, shared w1/w3, w2, indexer wq_b
-FP8_SHAPES = [(1024, 4096, 1), (32768, 1024, 1), (512, 4096, 1), (1024, 4096, 8), (4096, 8192, 1), (2048, 4096, 1),
-              (4096, 2048, 1), (8192, 1024, 1), (1536, 7168, 1), (65536, 1536, 1), (1024, 8192, 16),
-              (7168, 16384, 1), (3072, 7168, 1), (7168, 3072, 1)]
 
 
 def _bf16_of_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -66,7 +63,7 @@ def test_scales_past_what_the_multiplier_holds_are_not_taken():
         assert not fp8.scales_fit(f32), bad
 
 
-@pytest.mark.parametrize("n,k,groups", FP8_SHAPES)
+@pytest.mark.parametrize("n,k,groups", FP8_LINEAR_SHAPES)
 def test_every_picked_configuration_is_taken(n, k, groups):
     """What the heuristics pick for V4's shapes, at every token count the kernel runs, the kernel takes, and the
     warm-up's token counts reach all of it (no call compiles)."""
