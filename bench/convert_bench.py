@@ -1,8 +1,7 @@
 """Converter benchmark (not a test): conversion time against ``cp -r`` of the same source, peak anonymous
 memory, throughput; default options (dense FP8 linears kept), ``--dense nvfp4``, ``--buffered-io`` and
-``--target sm90``; the scaling with the number of workers; where the time goes (the process's serial steps, and per stage and thread in the
-pipeline: ``nvfp4-convert convert --timings``);
-and the memory check at twice the experts.
+``--target sm90``; the scaling with the number of workers; where the time goes (the process's serial steps, and per
+stage and thread in the pipeline: ``nvfp4-convert convert --timings``); and the memory check at twice the experts.
 
     python bench/convert_bench.py --workdir /tmp/convert-bench   # makes the checkpoints if missing;
                                                                  # writes bench/results/convert_bench.json

@@ -279,10 +279,9 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, den
     """Convert a DeepSeek-V4 checkpoint (a folder, or a Hub repo id ``owner/name``) to format 1 in ``out``.
 
     ``dense``: ``"keep"`` passes the dense FP8 linears through as the source has them, ``"nvfp4"`` requantises them
-    (``docs/cli.md`` says what each costs). ``target``: ``"sm100"`` (format 1's canonical layout) or ``"sm90"`` (routed experts' packed weights in
-    Hopper row tiles, ``kernels/row_tiles.py``). Everything is validated (headers, index, rule matching, siblings,
-    shapes) before the output
-    folder is created; tensor values (NaN/Inf, NaN scale bytes) are checked as they are read.
+    (``docs/cli.md`` says what each costs). ``target``: ``"sm100"`` (format 1's canonical layout) or ``"sm90"``
+    (routed experts' packed weights in Hopper row tiles, ``kernels/row_tiles.py``). Everything is validated
+    (headers, index, rule matching, siblings, shapes) before the output folder is created; tensor values (NaN/Inf, NaN scale bytes) are checked as they are read.
     ``resume`` continues an interrupted run in ``out`` (refusing one made from another source or
     options); ``keep_source=False`` deletes each downloaded Hub shard once converted; ``workers``
     threads convert the plan's pieces in parallel (default: one per CPU; the bytes written do not depend on it);

@@ -153,13 +153,18 @@ def linear_wgmma_min_tile(rows: int) -> int:
     return LINEAR_WGMMA_MIN_TILE * (2 if rows < LINEAR_WGMMA_NARROW_ROWS else 1)
 
 
+def mma_linear_tiles(n: int, tokens: int) -> tuple[int, int, int]:
+    """(token tile, token tiles, row tiles) of a dense linear's mma.sync kernel, NVFP4 or FP8, for W of ``n`` rows:
+    the smallest token tile that holds the call, 128-row CTAs at the 32-token tile (x fragments reused 2x)."""
+    bn = smallest_tile(tokens, TILE_TOKEN_CHOICES)
+    return bn, -(-tokens // bn), 2 if bn == LINEAR_TWO_ROW_TILES_TOKENS and n % 128 == 0 else 1
+
+
 def linear_mma_config(n: int, k: int, tokens: int, out_bf16: bool = False, groups: int = 1) -> GemmConfig:
     """The mma.sync configuration of a dense linear (:func:`linear_config`'s pick below the WGMMA kernel)."""
     problem = GemmProblem(m=n, k=k, mode="store", out_bf16=out_bf16, groups=groups)
-    bn = smallest_tile(tokens, TILE_TOKEN_CHOICES)
-    tiles = -(-tokens // bn)
+    bn, tiles, row_tiles = mma_linear_tiles(n, tokens)
     splits = 1 if out_bf16 else pick_k_splits(n // 64 * groups * tiles, k // K_TILE, tiles, bn)
-    row_tiles = 2 if bn == LINEAR_TWO_ROW_TILES_TOKENS and n % 128 == 0 else 1
     return GemmConfig(problem, mma_tiling(problem, bn, row_tiles, k_splits=splits))
 
 
@@ -174,11 +179,10 @@ def linear_token_counts() -> tuple[int, ...]:
 def fp8_linear_config(n: int, k: int, tokens: int, out_bf16: bool = False, groups: int = 1,
                       scale_f32: bool = False) -> Fp8LinearConfig:
     """The FP8 dense linear (``sm90_fp8_linear``) for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K]: the
-    NVFP4 linear's mma.sync token tile, row tiles and K split (:func:`linear_mma_config`), its pipeline as deep as
+    NVFP4 linear's mma.sync token tile and row tiles (:func:`mma_linear_tiles`), its K split counted in its own
+    CTAs, its pipeline as deep as
     the registers allow (a k-tile of FP8 weights is twice an NVFP4 one's)."""
-    bn = smallest_tile(tokens, TILE_TOKEN_CHOICES)
-    tiles = -(-tokens // bn)
-    row_tiles = 2 if bn == LINEAR_TWO_ROW_TILES_TOKENS and n % 128 == 0 else 1
+    bn, tiles, row_tiles = mma_linear_tiles(n, tokens)
     # the grid's CTAs as they are (128 rows with two row tiles): at 32 tokens, splits to 256 of them took 9.0 / 9.5 /
     # 26.9 us for V4-Flash's shared w1, w2 and wo_b where half as many took 12.7 / 12.1 / 33.6
     splits = 1 if out_bf16 else pick_k_splits(n // (64 * row_tiles) * groups * tiles, k // K_TILE, tiles, bn)

@@ -115,10 +115,7 @@ class HopperBackend(ReferenceBackend):
                 sm90_fp8_linear.warmup(n, k, device, scale_dtype=scale_dtype, groups=groups)
         if shapes_only or not self._linear_fits[key]:
             return self._linear_fits[key]
-        fits = self._fp8_scales_fit.get(id(w.scale))
-        if fits is None or fits[0] is not w.scale:
-            fits = self._fp8_scales_fit[id(w.scale)] = (w.scale, sm90_fp8_linear.scales_fit(w.scale))
-        return fits[1]
+        return self._per_tensor(self._fp8_scales_fit, w.scale, sm90_fp8_linear.scales_fit)
 
     def _fp8_linear(self, x: torch.Tensor, w: Fp8Linear, groups: int) -> torch.Tensor:
         """x [..., G * K] (G = ``groups``) -> float32 [..., G * N] by the FP8 kernel (``_fp8_ready`` said yes)."""
@@ -232,14 +229,20 @@ class HopperBackend(ReferenceBackend):
     def _f32(self, w: torch.Tensor) -> torch.Tensor:
         if w.dtype == torch.float32:
             return w
-        hit = self._f32_weights.get(id(w))
-        if hit is not None and hit[0] is w:
+        return self._per_tensor(self._f32_weights, w, torch.Tensor.float)
+
+    @staticmethod
+    def _per_tensor(cache: dict, t: torch.Tensor, make):
+        """``make(t)``, computed once per tensor: ``cache`` maps ``id(t)`` to ``(t, value)`` (holding ``t``, so its
+        id is not reused while the entry lives). Not kept when made inside a CUDA graph capture: its memory is the
+        graph's, freed with the graph."""
+        hit = cache.get(id(t))
+        if hit is not None and hit[0] is t:
             return hit[1]
-        f32 = w.float()
-        # not kept when made inside a CUDA graph capture: its memory is the graph's, freed with the graph
+        value = make(t)
         if not torch.cuda.is_current_stream_capturing():
-            self._f32_weights[id(w)] = (w, f32)   # holding w: its id is not reused while the entry lives
-        return f32
+            cache[id(t)] = (t, value)
+        return value
 
     # -- mHC ---------------------------------------------------------------------------------------
     def hc_pre(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
