@@ -39,7 +39,6 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import K_TILE, Fp8LinearConfig
-from .fp8 import fp8_block_dequantize
 from .sm90_heuristics import fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts
 
 WARPS = 4                 # row groups (warps) per CTA, each 16 * row_tiles weight rows
@@ -266,6 +265,58 @@ class Sm90Fp8Linear:
                             ptx.st_global_f32(out_base + at * 4 + 32, hi)
 
 
+class Sm90Fp8Dequant:
+    """An FP8 weight dequantised to BF16 (``fp8 * scale``, exact with E8M0 scales; float32 scales: the float32
+    product rounded once), for the calls of more tokens than the kernel takes: one thread per 16 weight bytes (a
+    16-byte load, the hardware's E4M3 -> f16x2 -> f32 conversion, the block scale, two 16-byte stores), so a weight
+    costs about its bytes read once and twice written.
+
+    Launched as ``fn(w, scale, out, stream)``: ``w`` uint8 [R, K] (K a multiple of 128), ``scale`` uint8 (E8M0) or
+    float32 [ceil(R / 128), K / 128], ``out`` BF16 [R, K].
+    """
+
+    THREADS = 256
+
+    def __init__(self, *, scale_f32: bool):
+        self.scale_f32 = scale_f32
+
+    def key(self) -> tuple:
+        return (self.scale_f32,)
+
+    @cute.jit
+    def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mOut: cute.Tensor, stream):
+        chunks = mW.shape[0] * (mW.shape[1] // 16)
+        self.kernel(mW, mS, mOut).launch(grid=[(chunks + self.THREADS - 1) // self.THREADS, 1, 1],
+                                         block=[self.THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mOut: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        per_row = mW.shape[1] // 16
+        chunk = bx * self.THREADS + tidx
+        if chunk < mW.shape[0] * per_row:
+            row = chunk // per_row
+            col = (chunk % per_row) * 16
+            if const_expr(self.scale_f32):
+                s = Float32(mS[row // SCALE_BLOCK, col // SCALE_BLOCK])
+            else:
+                e = Int32(mS[row // SCALE_BLOCK, col // SCALE_BLOCK])
+                bits = e << 23
+                if e == 0:
+                    bits = Int32(1 << 22)   # E8M0 0 is 2**-127, a float32 subnormal
+                s = ptx.f32_of_bits(bits)
+            v = ptx.ld_global_v4(mW.iterator.toint() + Int64(chunk) * 16)
+            words = []
+            for i in cutlass.range_constexpr(4):
+                for half in cutlass.range_constexpr(2):
+                    lo, hi = ptx.e4m3x2_to_f32x2(v[i] >> (16 * half))
+                    words.append(ptx.f32x2_to_bf16x2(lo * s, hi * s))
+            at = mOut.iterator.toint() + Int64(chunk) * 32
+            ptx.st_global_v4_b32(at, *words[:4])
+            ptx.st_global_v4_b32(at + 16, *words[4:])
+
+
 # -- host -----------------------------------------------------------------------------------------------------------
 def can_implement(n: int, k: int, groups: int = 1) -> bool:
     """Whether the kernel tiles ``groups`` W [N, K] (N a multiple of 64 rows, 128 with groups; K of 128)."""
@@ -311,14 +362,16 @@ def warmup(n: int, k: int, device: torch.device | str, scale_dtype: torch.dtype 
                for t in fp8_linear_token_counts()}
     for config in configs:
         _compile(linear_op(config), [w, s, x, out])
-    return len(configs)
+    _compile(Sm90Fp8Dequant(scale_f32=scale_f32), [w, s, torch.empty(w.shape, dtype=torch.bfloat16, device=dev)])
+    return len(configs) + 1
 
 
 def _dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
                         groups: int) -> torch.Tensor:
-    """A long call: W dequantised to BF16 (exact with E8M0 scales), then cuBLAS BF16 with float32 accumulation."""
+    """A long call: W dequantised to BF16 (``Sm90Fp8Dequant``), then cuBLAS BF16 with float32 accumulation."""
     t = x.shape[0]
-    w = fp8_block_dequantize(weight, scale, torch.bfloat16)
+    w = torch.empty(weight.shape, dtype=torch.bfloat16, device=weight.device)
+    _launch(Sm90Fp8Dequant(scale_f32=scale.dtype == torch.float32), [weight.view(torch.uint8), _scale_operand(scale), w])
     if groups == 1:
         return torch.mm(x, w.T, out_dtype=out.dtype, out=out)
     w = w.view(groups, -1, weight.shape[1])

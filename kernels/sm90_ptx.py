@@ -359,6 +359,12 @@ def f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
                                  loc=loc, ip=ip))
 
 
+def f32_of_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
+    """The float32 whose IEEE bits are ``bits``."""
+    return Float32(llvm.inline_asm(T.f32(), [_i32(bits, loc, ip)], "mov.b32 $0, $1;", "=f,r", has_side_effects=False,
+                                   loc=loc, ip=ip))
+
+
 def st_global_b32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [Int64(addr).ir_value(loc=loc, ip=ip), _i32(v, loc, ip)], "st.global.b32 [$0], $1;",
                     "l,r", has_side_effects=True, loc=loc, ip=ip)

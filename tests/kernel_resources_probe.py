@@ -89,7 +89,7 @@ def jobs(every: bool) -> list[tuple]:
     from nvfp4_megamoe.kernels.sm90_decode_attention import (CLUSTERS, Sm90DecodeAttention,
                                                              Sm90DecodeAttentionCombine)
     from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre
-    from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Linear
+    from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Dequant, Sm90Fp8Linear
     from nvfp4_megamoe.kernels.sm90_heuristics import fp8_linear_config, fp8_linear_token_counts
     from sm90_stand_ins import FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args
 
@@ -125,6 +125,9 @@ def jobs(every: bool) -> list[tuple]:
     decode = fp8_linear_config(1024, 4096, 1)
     record(Sm90Fp8Linear(replace(decode, scale_f32=True)), fp8_linear_args(scale_f32=True))
     record(Sm90Fp8Linear(fp8_linear_config(1024, 4096, 1, out_bf16=True)), fp8_linear_args(out_bf16=True))
+    for scale_f32 in (False, True):
+        w, scale, x, _ = fp8_linear_args(scale_f32=scale_f32)
+        record(Sm90Fp8Dequant(scale_f32=scale_f32), [w, scale, x.new_zeros(w.shape)])
     chosen = list(found.values())
     if not every:  # per GEMM configuration up to its token tile: the widest tile (then the fewest MMA widths)
         widest: dict[tuple, tuple] = {}

@@ -138,6 +138,24 @@ def test_fp8_linear_kernel_matches_reference(n, k, groups, scale_f32):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scale_f32", [False, True])
+def test_the_dequantisation_kernel_matches_torch(scale_f32):
+    """``Sm90Fp8Dequant`` (the long calls' W in BF16) against ``fp8_block_dequantize``: bit for bit with E8M0 scales
+    (the products are exact; the scales include 2**-127 and 2**63), within one BF16 rounding with float32 ones; 200
+    rows (a partial block row), the output poisoned first."""
+    w, scale, _ = _operands(100, 384, 2, scale_f32, 1, seed=21)
+    if not scale_f32:
+        scale.view(torch.uint8)[0, 0], scale.view(torch.uint8)[1, 2] = 0, fp8.MAX_E8M0
+    out = torch.full(w.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    fp8._launch(fp8.Sm90Fp8Dequant(scale_f32=scale_f32), [w, fp8._scale_operand(scale), out])
+    want = fp8_block_dequantize(w, scale)
+    if scale_f32:
+        assert ((out.float() - want).abs() <= want.abs() * 2 ** -8).all()
+    else:
+        assert torch.equal(out, want.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
 def test_fp8_linear_keeps_subnormal_weights_and_writes_bf16():
     """Weights of subnormal codes alone (a flush to zero would show), and BF16 out (one rounding of the sums)."""
     w, scale, x = _operands(1024, 4096, 1, False, 5, seed=3, subnormal=True)
