@@ -132,6 +132,7 @@ class Fp8LinearConfig:
             (the caller zeroes it).
         out_bf16: BF16 out instead of float32.
         scale_f32: the block scales are float32 (-Base checkpoints), not E8M0 bytes.
+        x_f32: x is float32 (the runtime's activations), rounded to BF16 as the kernel reads it.
     """
 
     n: int
@@ -143,6 +144,7 @@ class Fp8LinearConfig:
     k_splits: int = 1
     out_bf16: bool = False
     scale_f32: bool = False
+    x_f32: bool = False
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ class Sm90Fp8Linear:
     """One compiled configuration of the FP8 linear (module docstring).
 
     Launched as ``fn(w, scale, x, out, stream)``: ``w`` uint8 [G * N, K], ``scale`` uint8 (E8M0) or float32
-    [ceil(G * N / 128), K / 128], ``x`` BF16 [T, G * K], ``out`` float32 or BF16 [T, G * N].
+    [ceil(G * N / 128), K / 128], ``x`` BF16 or float32 (``x_f32``) [T, G * K], ``out`` float32 or BF16 [T, G * N].
     """
 
     def __init__(self, config: Fp8LinearConfig):
@@ -102,6 +102,8 @@ class Sm90Fp8Linear:
         # tiles of up to two 8-token blocks load the next k-tile's activation words a k-tile ahead; wider ones load
         # them at the k-tile (registers: 16 a block; their MMAs per weight byte and the other warps cover the wait)
         self.x_ahead = self.nb <= 2
+        self.xbytes = 4 if config.x_f32 else 2      # bytes of an activation as the kernel reads it
+        self.xwords = 8 * self.xbytes               # 32-bit words of a lane's 32 activations of a k-tile
 
     @staticmethod
     def can_implement(config: Fp8LinearConfig) -> bool:
@@ -144,13 +146,13 @@ class Sm90Fp8Linear:
             t = nb * 8 + g
             if t > cnt - 1:
                 t = cnt - 1                     # columns past the tile's tokens read its last one (not stored)
-            x_addr[nb] = (mX.iterator.toint() + Int64(begin + t) * (2 * k * self.groups)
-                          + Int64(group * k * 2 + c * 64))
+            x_addr[nb] = (mX.iterator.toint() + Int64(begin + t) * (self.xbytes * k * self.groups)
+                          + Int64((group * k + c * 32) * self.xbytes))
 
         D = self.depth
         wbuf = cute.make_rmem_tensor((D, self.row_tiles, 2, 8), Int32)
         mbuf = cute.make_rmem_tensor((D,), Int32)
-        xnext = cute.make_rmem_tensor((self.nb, 16), Int32)
+        xnext = cute.make_rmem_tensor((self.nb, self.xwords), Int32)   # as loaded (float32 x: not yet rounded)
         acc = cute.make_rmem_tensor((self.row_tiles, self.nb, 4), Float32)
         acc.fill(0.0)
         kt_last = kt0 + self.n_kt - 1
@@ -170,15 +172,15 @@ class Sm90Fp8Linear:
                 mult = mbuf[d]
                 xw = cute.make_rmem_tensor((self.nb, 16), Int32)
                 if const_expr(self.x_ahead):
-                    for nb in cutlass.range_constexpr(self.nb):
-                        for i in cutlass.range_constexpr(16):
-                            xw[nb, i] = xnext[nb, i]
+                    self.to_bf16_words(xnext, xw)
                     nxb = kt + 1
                     if nxb > kt_last:
                         nxb = kt_last
                     self.load_x(xnext, x_addr, nxb)
                 else:
-                    self.load_x(xw, x_addr, kt)
+                    raw = cute.make_rmem_tensor((self.nb, self.xwords), Int32)
+                    self.load_x(raw, x_addr, kt)
+                    self.to_bf16_words(raw, xw)
                 # refill the slot with k-tile kt + D (clamped: a re-read of the last one hits the cache)
                 nxt = kt + D
                 if nxt > kt_last:
@@ -200,13 +202,25 @@ class Sm90Fp8Linear:
                         wbuf[slot, mt, h, q * 4 + i] = v[i]
         mbuf[slot] = self.x_multiplier(mS[scale_row, kt])
 
-    def load_x(self, xw: cute.Tensor, x_addr: cute.Tensor, kt: Int32) -> None:
-        """The lane's 16 activation words of k-tile ``kt`` (its 32 k) for each 8-token block."""
+    def load_x(self, raw: cute.Tensor, x_addr: cute.Tensor, kt: Int32) -> None:
+        """The lane's activation words of k-tile ``kt`` (its 32 k: 16 BF16 pairs, or 32 floats) for each 8-token
+        block, as they are in memory."""
         for nb in range(self.nb):
-            for q in range(4):
-                v = ptx.ld_global_v4_keep(x_addr[nb] + Int64(kt * K_TILE * 2 + q * 16))
+            for q in range(self.xwords // 4):
+                v = ptx.ld_global_v4_keep(x_addr[nb] + Int64(kt * K_TILE * self.xbytes + q * 16))
                 for i in range(4):
-                    xw[nb, q * 4 + i] = v[i]
+                    raw[nb, q * 4 + i] = v[i]
+
+    def to_bf16_words(self, raw: cute.Tensor, xw: cute.Tensor) -> None:
+        """Loaded activation words -> the 16 BF16 pairs an 8-token block's MMAs take (float32 x: rounded to nearest
+        even here, as torch's cast to BF16 rounds; an early load's latency is not waited for until now)."""
+        for nb in range(self.nb):
+            for i in range(16):
+                if const_expr(self.config.x_f32):
+                    lo, hi = ptx.f32_of_bits(raw[nb, 2 * i]), ptx.f32_of_bits(raw[nb, 2 * i + 1])
+                    xw[nb, i] = ptx.f32x2_to_bf16x2(lo, hi)
+                else:
+                    xw[nb, i] = raw[nb, i]
 
     def x_multiplier(self, s) -> Int32:
         """``2**X_LOG2 * scale`` as a BF16 pair: an E8M0 byte e is ``2**(e - 127)``, so its BF16 exponent field is
@@ -348,17 +362,17 @@ def _scale_operand(scale: torch.Tensor) -> torch.Tensor:
 
 
 def warmup(n: int, k: int, device: torch.device | str, scale_dtype: torch.dtype = torch.uint8,
-           out_dtype: torch.dtype = torch.float32, groups: int = 1) -> int:
-    """Compile every configuration :func:`sm90_fp8_linear` can pick for ``groups`` W [N, K] with these scales (so no
-    call compiles); returns how many."""
+           out_dtype: torch.dtype = torch.float32, groups: int = 1, x_dtype: torch.dtype = torch.float32) -> int:
+    """Compile every configuration :func:`sm90_fp8_linear` can pick for ``groups`` W [N, K] with these scales and x
+    (float32, as the runtime passes it, or BF16), so no call compiles; returns how many."""
     dev = torch.device(device)
     scale_f32 = scale_dtype == torch.float32
     w = torch.empty(groups * n, k, dtype=torch.uint8, device=dev)
     s = torch.empty(-(-groups * n // SCALE_BLOCK), k // K_TILE, dtype=torch.float32 if scale_f32 else torch.uint8,
                     device=dev)
-    x = torch.empty(1, groups * k, dtype=torch.bfloat16, device=dev)
+    x = torch.empty(1, groups * k, dtype=x_dtype, device=dev)
     out = torch.empty(1, groups * n, dtype=out_dtype, device=dev)
-    configs = {fp8_linear_config(n, k, t, out_dtype == torch.bfloat16, groups, scale_f32)
+    configs = {fp8_linear_config(n, k, t, out_dtype == torch.bfloat16, groups, scale_f32, x_dtype == torch.float32)
                for t in fp8_linear_token_counts()}
     for config in configs:
         _compile(linear_op(config), [w, s, x, out])
@@ -370,8 +384,10 @@ def _dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
                         groups: int) -> torch.Tensor:
     """A long call: W dequantised to BF16 (``Sm90Fp8Dequant``), then cuBLAS BF16 with float32 accumulation."""
     t = x.shape[0]
+    x = x.to(torch.bfloat16)
     w = torch.empty(weight.shape, dtype=torch.bfloat16, device=weight.device)
-    _launch(Sm90Fp8Dequant(scale_f32=scale.dtype == torch.float32), [weight.view(torch.uint8), _scale_operand(scale), w])
+    dequant = Sm90Fp8Dequant(scale_f32=scale.dtype == torch.float32)
+    _launch(dequant, [weight.view(torch.uint8), _scale_operand(scale), w])
     if groups == 1:
         return torch.mm(x, w.T, out_dtype=out.dtype, out=out)
     w = w.view(groups, -1, weight.shape[1])
@@ -384,18 +400,19 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
                     out_dtype: torch.dtype = torch.float32, groups: int = 1) -> torch.Tensor:
     """Dense FP8 linear ``x @ (weight * scale).T``, or ``groups`` of them: ``out[t, g] = x[t, g] @ W[g].T``.
 
-    ``x`` BF16 [T, G * K] (T >= 1); ``weight`` float8_e4m3fn or its uint8 bytes [G * N, K] (group g: rows g N ..
-    (g + 1) N); ``scale`` [ceil(G * N / 128), K / 128], E8M0 (float8_e8m0fnu or uint8 bytes) or float32. Returns
-    ``out_dtype`` (float32 or BF16) [T, G * N]. Calls of more tokens than the kernel pays for
-    (``sm90_heuristics.fp8_kernel_pays``) dequantise W to BF16 and run cuBLAS."""
+    ``x`` BF16 or float32 [T, G * K] (T >= 1; float32 is rounded to BF16 as the kernel reads it); ``weight``
+    float8_e4m3fn or its uint8 bytes [G * N, K] (group g: rows g N .. (g + 1) N); ``scale`` [ceil(G * N / 128),
+    K / 128], E8M0 (float8_e8m0fnu or uint8 bytes) or float32. Returns ``out_dtype`` (float32 or BF16) [T, G * N].
+    Calls of more tokens than the kernel pays for (``sm90_heuristics.fp8_kernel_pays``) dequantise W to BF16 and run
+    cuBLAS."""
     _expect(groups >= 1 and weight.dim() == 2 and weight.shape[0] % groups == 0,
             f"weight rows {tuple(weight.shape)} must split into {groups} groups")
     n, k = weight.shape[0] // groups, weight.shape[1]
     _expect(weight.dtype in (torch.float8_e4m3fn, torch.uint8) and weight.is_contiguous(),
             f"weight must be contiguous float8_e4m3fn or uint8, got {weight.dtype}")
-    _expect(x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == groups * k and x.shape[0] >= 1
-            and x.is_contiguous(), f"x must be contiguous bf16 [T >= 1, G*K={groups * k}], got {x.dtype} "
-                                   f"{tuple(x.shape)}")
+    _expect(x.dtype in (torch.bfloat16, torch.float32) and x.dim() == 2 and x.shape[1] == groups * k
+            and x.shape[0] >= 1 and x.is_contiguous(), f"x must be contiguous bf16 or f32 [T >= 1, G*K={groups * k}], "
+                                                       f"got {x.dtype} {tuple(x.shape)}")
     want = (-(-groups * n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
     _expect(tuple(scale.shape) == want and scale.dtype in (torch.float8_e8m0fnu, torch.uint8, torch.float32)
             and scale.is_contiguous(), f"scale must be contiguous E8M0 or float32 {want}, got {scale.dtype} "
@@ -407,7 +424,8 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
                                      f"{tuple(out.shape)}")
     if not fp8_kernel_pays(x.shape[0]):
         return _dequantized_linear(x, weight, scale, out, groups)
-    config = fp8_linear_config(n, k, x.shape[0], out.dtype == torch.bfloat16, groups, scale.dtype == torch.float32)
+    config = fp8_linear_config(n, k, x.shape[0], out.dtype == torch.bfloat16, groups, scale.dtype == torch.float32,
+                               x.dtype == torch.float32)
     op = linear_op(config)
     if op.k_splits > 1:
         out.zero_()  # the K shares add into it
