@@ -39,7 +39,6 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import K_TILE, Fp8LinearConfig
-from .fp8 import fp8_block_dequantize
 from .sm90_heuristics import fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts
 
 WARPS = 4                 # row groups (warps) per CTA, each 16 * row_tiles weight rows
@@ -86,7 +85,7 @@ class Sm90Fp8Linear:
     """One compiled configuration of the FP8 linear (module docstring).
 
     Launched as ``fn(w, scale, x, out, stream)``: ``w`` uint8 [G * N, K], ``scale`` uint8 (E8M0) or float32
-    [ceil(G * N / 128), K / 128], ``x`` BF16 [T, G * K], ``out`` float32 or BF16 [T, G * N].
+    [ceil(G * N / 128), K / 128], ``x`` BF16 or float32 (``x_f32``) [T, G * K], ``out`` float32 or BF16 [T, G * N].
     """
 
     def __init__(self, config: Fp8LinearConfig):
@@ -103,6 +102,8 @@ class Sm90Fp8Linear:
         # tiles of up to two 8-token blocks load the next k-tile's activation words a k-tile ahead; wider ones load
         # them at the k-tile (registers: 16 a block; their MMAs per weight byte and the other warps cover the wait)
         self.x_ahead = self.nb <= 2
+        self.xbytes = 4 if config.x_f32 else 2      # bytes of an activation as the kernel reads it
+        self.xwords = 8 * self.xbytes               # 32-bit words of a lane's 32 activations of a k-tile
 
     @staticmethod
     def can_implement(config: Fp8LinearConfig) -> bool:
@@ -145,13 +146,13 @@ class Sm90Fp8Linear:
             t = nb * 8 + g
             if t > cnt - 1:
                 t = cnt - 1                     # columns past the tile's tokens read its last one (not stored)
-            x_addr[nb] = (mX.iterator.toint() + Int64(begin + t) * (2 * k * self.groups)
-                          + Int64(group * k * 2 + c * 64))
+            x_addr[nb] = (mX.iterator.toint() + Int64(begin + t) * (self.xbytes * k * self.groups)
+                          + Int64((group * k + c * 32) * self.xbytes))
 
         D = self.depth
         wbuf = cute.make_rmem_tensor((D, self.row_tiles, 2, 8), Int32)
         mbuf = cute.make_rmem_tensor((D,), Int32)
-        xnext = cute.make_rmem_tensor((self.nb, 16), Int32)
+        xnext = cute.make_rmem_tensor((self.nb, self.xwords), Int32)   # as loaded (float32 x: not yet rounded)
         acc = cute.make_rmem_tensor((self.row_tiles, self.nb, 4), Float32)
         acc.fill(0.0)
         kt_last = kt0 + self.n_kt - 1
@@ -171,15 +172,15 @@ class Sm90Fp8Linear:
                 mult = mbuf[d]
                 xw = cute.make_rmem_tensor((self.nb, 16), Int32)
                 if const_expr(self.x_ahead):
-                    for nb in cutlass.range_constexpr(self.nb):
-                        for i in cutlass.range_constexpr(16):
-                            xw[nb, i] = xnext[nb, i]
+                    self.to_bf16_words(xnext, xw)
                     nxb = kt + 1
                     if nxb > kt_last:
                         nxb = kt_last
                     self.load_x(xnext, x_addr, nxb)
                 else:
-                    self.load_x(xw, x_addr, kt)
+                    raw = cute.make_rmem_tensor((self.nb, self.xwords), Int32)
+                    self.load_x(raw, x_addr, kt)
+                    self.to_bf16_words(raw, xw)
                 # refill the slot with k-tile kt + D (clamped: a re-read of the last one hits the cache)
                 nxt = kt + D
                 if nxt > kt_last:
@@ -201,13 +202,25 @@ class Sm90Fp8Linear:
                         wbuf[slot, mt, h, q * 4 + i] = v[i]
         mbuf[slot] = self.x_multiplier(mS[scale_row, kt])
 
-    def load_x(self, xw: cute.Tensor, x_addr: cute.Tensor, kt: Int32) -> None:
-        """The lane's 16 activation words of k-tile ``kt`` (its 32 k) for each 8-token block."""
+    def load_x(self, raw: cute.Tensor, x_addr: cute.Tensor, kt: Int32) -> None:
+        """The lane's activation words of k-tile ``kt`` (its 32 k: 16 BF16 pairs, or 32 floats) for each 8-token
+        block, as they are in memory."""
         for nb in range(self.nb):
-            for q in range(4):
-                v = ptx.ld_global_v4_keep(x_addr[nb] + Int64(kt * K_TILE * 2 + q * 16))
+            for q in range(self.xwords // 4):
+                v = ptx.ld_global_v4_keep(x_addr[nb] + Int64(kt * K_TILE * self.xbytes + q * 16))
                 for i in range(4):
-                    xw[nb, q * 4 + i] = v[i]
+                    raw[nb, q * 4 + i] = v[i]
+
+    def to_bf16_words(self, raw: cute.Tensor, xw: cute.Tensor) -> None:
+        """Loaded activation words -> the 16 BF16 pairs an 8-token block's MMAs take (float32 x: rounded to nearest
+        even here, as torch's cast to BF16 rounds; an early load's latency is not waited for until now)."""
+        for nb in range(self.nb):
+            for i in range(16):
+                if const_expr(self.config.x_f32):
+                    lo, hi = ptx.f32_of_bits(raw[nb, 2 * i]), ptx.f32_of_bits(raw[nb, 2 * i + 1])
+                    xw[nb, i] = ptx.f32x2_to_bf16x2(lo, hi)
+                else:
+                    xw[nb, i] = raw[nb, i]
 
     def x_multiplier(self, s) -> Int32:
         """``2**X_LOG2 * scale`` as a BF16 pair: an E8M0 byte e is ``2**(e - 127)``, so its BF16 exponent field is
@@ -266,6 +279,58 @@ class Sm90Fp8Linear:
                             ptx.st_global_f32(out_base + at * 4 + 32, hi)
 
 
+class Sm90Fp8Dequant:
+    """An FP8 weight dequantised to BF16 (``fp8 * scale``, exact with E8M0 scales; float32 scales: the float32
+    product rounded once), for the calls of more tokens than the kernel takes: one thread per 16 weight bytes (a
+    16-byte load, the hardware's E4M3 -> f16x2 -> f32 conversion, the block scale, two 16-byte stores), so a weight
+    costs about its bytes read once and twice written.
+
+    Launched as ``fn(w, scale, out, stream)``: ``w`` uint8 [R, K] (K a multiple of 128), ``scale`` uint8 (E8M0) or
+    float32 [ceil(R / 128), K / 128], ``out`` BF16 [R, K].
+    """
+
+    THREADS = 256
+
+    def __init__(self, *, scale_f32: bool):
+        self.scale_f32 = scale_f32
+
+    def key(self) -> tuple:
+        return (self.scale_f32,)
+
+    @cute.jit
+    def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mOut: cute.Tensor, stream):
+        chunks = mW.shape[0] * (mW.shape[1] // 16)
+        self.kernel(mW, mS, mOut).launch(grid=[(chunks + self.THREADS - 1) // self.THREADS, 1, 1],
+                                         block=[self.THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mOut: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        per_row = mW.shape[1] // 16
+        chunk = bx * self.THREADS + tidx
+        if chunk < mW.shape[0] * per_row:
+            row = chunk // per_row
+            col = (chunk % per_row) * 16
+            if const_expr(self.scale_f32):
+                s = Float32(mS[row // SCALE_BLOCK, col // SCALE_BLOCK])
+            else:
+                e = Int32(mS[row // SCALE_BLOCK, col // SCALE_BLOCK])
+                bits = e << 23
+                if e == 0:
+                    bits = Int32(1 << 22)   # E8M0 0 is 2**-127, a float32 subnormal
+                s = ptx.f32_of_bits(bits)
+            v = ptx.ld_global_v4(mW.iterator.toint() + Int64(chunk) * 16)
+            words = []
+            for i in cutlass.range_constexpr(4):
+                for half in cutlass.range_constexpr(2):
+                    lo, hi = ptx.e4m3x2_to_f32x2(v[i] >> (16 * half))
+                    words.append(ptx.f32x2_to_bf16x2(lo * s, hi * s))
+            at = mOut.iterator.toint() + Int64(chunk) * 32
+            ptx.st_global_v4_b32(at, *words[:4])
+            ptx.st_global_v4_b32(at + 16, *words[4:])
+
+
 # -- host -----------------------------------------------------------------------------------------------------------
 def can_implement(n: int, k: int, groups: int = 1) -> bool:
     """Whether the kernel tiles ``groups`` W [N, K] (N a multiple of 64 rows, 128 with groups; K of 128)."""
@@ -297,28 +362,32 @@ def _scale_operand(scale: torch.Tensor) -> torch.Tensor:
 
 
 def warmup(n: int, k: int, device: torch.device | str, scale_dtype: torch.dtype = torch.uint8,
-           out_dtype: torch.dtype = torch.float32, groups: int = 1) -> int:
-    """Compile every configuration :func:`sm90_fp8_linear` can pick for ``groups`` W [N, K] with these scales (so no
-    call compiles); returns how many."""
+           out_dtype: torch.dtype = torch.float32, groups: int = 1, x_dtype: torch.dtype = torch.float32) -> int:
+    """Compile every configuration :func:`sm90_fp8_linear` can pick for ``groups`` W [N, K] with these scales and x
+    (float32, as the runtime passes it, or BF16), so no call compiles; returns how many."""
     dev = torch.device(device)
     scale_f32 = scale_dtype == torch.float32
     w = torch.empty(groups * n, k, dtype=torch.uint8, device=dev)
     s = torch.empty(-(-groups * n // SCALE_BLOCK), k // K_TILE, dtype=torch.float32 if scale_f32 else torch.uint8,
                     device=dev)
-    x = torch.empty(1, groups * k, dtype=torch.bfloat16, device=dev)
+    x = torch.empty(1, groups * k, dtype=x_dtype, device=dev)
     out = torch.empty(1, groups * n, dtype=out_dtype, device=dev)
-    configs = {fp8_linear_config(n, k, t, out_dtype == torch.bfloat16, groups, scale_f32)
+    configs = {fp8_linear_config(n, k, t, out_dtype == torch.bfloat16, groups, scale_f32, x_dtype == torch.float32)
                for t in fp8_linear_token_counts()}
     for config in configs:
         _compile(linear_op(config), [w, s, x, out])
-    return len(configs)
+    _compile(Sm90Fp8Dequant(scale_f32=scale_f32), [w, s, torch.empty(w.shape, dtype=torch.bfloat16, device=dev)])
+    return len(configs) + 1
 
 
 def _dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
                         groups: int) -> torch.Tensor:
-    """A long call: W dequantised to BF16 (exact with E8M0 scales), then cuBLAS BF16 with float32 accumulation."""
+    """A long call: W dequantised to BF16 (``Sm90Fp8Dequant``), then cuBLAS BF16 with float32 accumulation."""
     t = x.shape[0]
-    w = fp8_block_dequantize(weight, scale, torch.bfloat16)
+    x = x.to(torch.bfloat16)
+    w = torch.empty(weight.shape, dtype=torch.bfloat16, device=weight.device)
+    dequant = Sm90Fp8Dequant(scale_f32=scale.dtype == torch.float32)
+    _launch(dequant, [weight.view(torch.uint8), _scale_operand(scale), w])
     if groups == 1:
         return torch.mm(x, w.T, out_dtype=out.dtype, out=out)
     w = w.view(groups, -1, weight.shape[1])
@@ -331,18 +400,19 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
                     out_dtype: torch.dtype = torch.float32, groups: int = 1) -> torch.Tensor:
     """Dense FP8 linear ``x @ (weight * scale).T``, or ``groups`` of them: ``out[t, g] = x[t, g] @ W[g].T``.
 
-    ``x`` BF16 [T, G * K] (T >= 1); ``weight`` float8_e4m3fn or its uint8 bytes [G * N, K] (group g: rows g N ..
-    (g + 1) N); ``scale`` [ceil(G * N / 128), K / 128], E8M0 (float8_e8m0fnu or uint8 bytes) or float32. Returns
-    ``out_dtype`` (float32 or BF16) [T, G * N]. Calls of more tokens than the kernel pays for
-    (``sm90_heuristics.fp8_kernel_pays``) dequantise W to BF16 and run cuBLAS."""
+    ``x`` BF16 or float32 [T, G * K] (T >= 1; float32 is rounded to BF16 as the kernel reads it); ``weight``
+    float8_e4m3fn or its uint8 bytes [G * N, K] (group g: rows g N .. (g + 1) N); ``scale`` [ceil(G * N / 128),
+    K / 128], E8M0 (float8_e8m0fnu or uint8 bytes) or float32. Returns ``out_dtype`` (float32 or BF16) [T, G * N].
+    Calls of more tokens than the kernel pays for (``sm90_heuristics.fp8_kernel_pays``) dequantise W to BF16 and run
+    cuBLAS."""
     _expect(groups >= 1 and weight.dim() == 2 and weight.shape[0] % groups == 0,
             f"weight rows {tuple(weight.shape)} must split into {groups} groups")
     n, k = weight.shape[0] // groups, weight.shape[1]
     _expect(weight.dtype in (torch.float8_e4m3fn, torch.uint8) and weight.is_contiguous(),
             f"weight must be contiguous float8_e4m3fn or uint8, got {weight.dtype}")
-    _expect(x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == groups * k and x.shape[0] >= 1
-            and x.is_contiguous(), f"x must be contiguous bf16 [T >= 1, G*K={groups * k}], got {x.dtype} "
-                                   f"{tuple(x.shape)}")
+    _expect(x.dtype in (torch.bfloat16, torch.float32) and x.dim() == 2 and x.shape[1] == groups * k
+            and x.shape[0] >= 1 and x.is_contiguous(), f"x must be contiguous bf16 or f32 [T >= 1, G*K={groups * k}], "
+                                                       f"got {x.dtype} {tuple(x.shape)}")
     want = (-(-groups * n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
     _expect(tuple(scale.shape) == want and scale.dtype in (torch.float8_e8m0fnu, torch.uint8, torch.float32)
             and scale.is_contiguous(), f"scale must be contiguous E8M0 or float32 {want}, got {scale.dtype} "
@@ -354,7 +424,8 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
                                      f"{tuple(out.shape)}")
     if not fp8_kernel_pays(x.shape[0]):
         return _dequantized_linear(x, weight, scale, out, groups)
-    config = fp8_linear_config(n, k, x.shape[0], out.dtype == torch.bfloat16, groups, scale.dtype == torch.float32)
+    config = fp8_linear_config(n, k, x.shape[0], out.dtype == torch.bfloat16, groups, scale.dtype == torch.float32,
+                               x.dtype == torch.float32)
     op = linear_op(config)
     if op.k_splits > 1:
         out.zero_()  # the K shares add into it

@@ -177,7 +177,7 @@ def linear_token_counts() -> tuple[int, ...]:
 
 
 def fp8_linear_config(n: int, k: int, tokens: int, out_bf16: bool = False, groups: int = 1,
-                      scale_f32: bool = False) -> Fp8LinearConfig:
+                      scale_f32: bool = False, x_f32: bool = False) -> Fp8LinearConfig:
     """The FP8 dense linear (``sm90_fp8_linear``) for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K]: the
     NVFP4 linear's mma.sync token tile and row tiles (:func:`mma_linear_tiles`), its K split counted in its own
     CTAs, its pipeline as deep as
@@ -188,7 +188,7 @@ def fp8_linear_config(n: int, k: int, tokens: int, out_bf16: bool = False, group
     splits = 1 if out_bf16 else pick_k_splits(n // (64 * row_tiles) * groups * tiles, k // K_TILE, tiles, bn)
     return Fp8LinearConfig(n=n, k=k, groups=groups, tile_tokens=bn, row_tiles=row_tiles,
                            depth=fit_depth(k // K_TILE // splits, 4 // row_tiles), k_splits=splits,
-                           out_bf16=out_bf16, scale_f32=scale_f32)
+                           out_bf16=out_bf16, scale_f32=scale_f32, x_f32=x_f32)
 
 
 def fp8_kernel_pays(tokens: int) -> bool:

@@ -89,7 +89,11 @@ def jobs(every: bool) -> list[tuple]:
     from nvfp4_megamoe.kernels.sm90_decode_attention import (CLUSTERS, Sm90DecodeAttention,
                                                              Sm90DecodeAttentionCombine)
     from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre
-    from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Linear
+    import torch
+
+    from nvfp4_megamoe.kernels.sm90_config import Fp8WgmmaConfig
+    from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Dequant, Sm90Fp8Linear
+    from nvfp4_megamoe.kernels.sm90_fp8_wgmma import Sm90Fp8Wgmma
     from nvfp4_megamoe.kernels.sm90_heuristics import fp8_linear_config, fp8_linear_token_counts
     from sm90_stand_ins import FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args
 
@@ -118,13 +122,19 @@ def jobs(every: bool) -> list[tuple]:
     fp8_shapes: dict[tuple, object] = {}
     for n, k, groups in FP8_LINEAR_SHAPES:
         for tokens in fp8_linear_token_counts():
-            config = fp8_linear_config(n, k, tokens, groups=groups)
+            config = fp8_linear_config(n, k, tokens, groups=groups, x_f32=True)   # the runtime's float32 x
             fp8_shapes.setdefault((config.tile_tokens, config.row_tiles, config.depth), config)
     for config in fp8_shapes.values():
-        record(Sm90Fp8Linear(config), fp8_linear_args())
+        record(Sm90Fp8Linear(config), fp8_linear_args(x_f32=True))
     decode = fp8_linear_config(1024, 4096, 1)
+    record(Sm90Fp8Linear(decode), fp8_linear_args())
     record(Sm90Fp8Linear(replace(decode, scale_f32=True)), fp8_linear_args(scale_f32=True))
     record(Sm90Fp8Linear(fp8_linear_config(1024, 4096, 1, out_bf16=True)), fp8_linear_args(out_bf16=True))
+    for scale_f32 in (False, True):
+        w, scale, x, _ = fp8_linear_args(scale_f32=scale_f32)
+        record(Sm90Fp8Dequant(scale_f32=scale_f32), [w, scale, x.new_zeros(w.shape)])
+        record(Sm90Fp8Wgmma(Fp8WgmmaConfig(n=1024, k=4096, scale_f32=scale_f32)),
+               [w, scale.new_zeros(3, 2, dtype=torch.float32), w, scale, x.new_zeros(3, 256, dtype=torch.float32)])
     chosen = list(found.values())
     if not every:  # per GEMM configuration up to its token tile: the widest tile (then the fewest MMA widths)
         widest: dict[tuple, tuple] = {}

@@ -56,8 +56,9 @@ FP8_LINEAR_SHAPES = [(1024, 4096, 1), (32768, 1024, 1), (512, 4096, 1), (1024, 4
                      (1024, 8192, 16), (7168, 16384, 1), (3072, 7168, 1), (7168, 3072, 1)]
 
 
-def fp8_linear_args(scale_f32: bool = False, out_bf16: bool = False) -> list[torch.Tensor]:
+def fp8_linear_args(scale_f32: bool = False, out_bf16: bool = False, x_f32: bool = False) -> list[torch.Tensor]:
     """w, scale, x, out of ``Sm90Fp8Linear``."""
     scale = torch.zeros(2, 2, dtype=torch.float32 if scale_f32 else torch.uint8)
     out = torch.zeros(3, 256, dtype=torch.bfloat16 if out_bf16 else torch.float32)
-    return [torch.zeros(256, 256, dtype=torch.uint8), scale, torch.zeros(3, 256, dtype=torch.bfloat16), out]
+    x = torch.zeros(3, 256, dtype=torch.float32 if x_f32 else torch.bfloat16)
+    return [torch.zeros(256, 256, dtype=torch.uint8), scale, x, out]

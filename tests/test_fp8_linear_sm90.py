@@ -91,10 +91,12 @@ def test_configurations_the_kernel_does_not_take_are_refused(config, match):
 
 
 @pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
-@pytest.mark.parametrize("n,k,groups,scale_dtype", [(1024, 4096, 1, torch.uint8), (1024, 1024, 8, torch.float32)])
-def test_fp8_linear_compiles_sm90a(n, k, groups, scale_dtype):
-    """Every configuration a weight's calls pick (E8M0 and float32 scales, one group and several)."""
-    assert fp8.warmup(n, k, "cpu", scale_dtype=scale_dtype, groups=groups) >= 4
+@pytest.mark.parametrize("n,k,groups,scale_dtype,x_dtype", [(1024, 4096, 1, torch.uint8, torch.float32),
+                                                         (1024, 1024, 8, torch.float32, torch.bfloat16)])
+def test_fp8_linear_compiles_sm90a(n, k, groups, scale_dtype, x_dtype):
+    """Every configuration a weight's calls pick (E8M0 and float32 scales, one group and several, x as the runtime
+    passes it and in BF16), and the long calls' dequantisation."""
+    assert fp8.warmup(n, k, "cpu", scale_dtype=scale_dtype, groups=groups, x_dtype=x_dtype) >= 5
 
 
 def _operands(n: int, k: int, groups: int, scale_f32: bool, tokens: int, seed: int, subnormal: bool = False):
@@ -135,6 +137,29 @@ def test_fp8_linear_kernel_matches_reference(n, k, groups, scale_f32):
         got = fp8.sm90_fp8_linear(x, w, scale, out=out, groups=groups)
         assert got.data_ptr() == out.data_ptr() and got.isfinite().all()
         assert rel_err(got, _want(x, w, scale, groups)) < (3e-3 if scale_f32 else 1e-5), tokens
+        # float32 x (the runtime's), rounded to BF16 by the kernel as torch rounds it
+        x32 = x.float() + torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(
+            tokens)) * 2 ** -9
+        got = fp8.sm90_fp8_linear(x32, w, scale, groups=groups)
+        assert rel_err(got, _want(x32.to(torch.bfloat16), w, scale, groups)) < (3e-3 if scale_f32 else 1e-5), tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_f32", [False, True])
+def test_the_dequantisation_kernel_matches_torch(scale_f32):
+    """``Sm90Fp8Dequant`` (the long calls' W in BF16) against ``fp8_block_dequantize``: bit for bit with E8M0 scales
+    (the products are exact; the scales include 2**-127 and 2**63), within one BF16 rounding with float32 ones; 200
+    rows (a partial block row), the output poisoned first."""
+    w, scale, _ = _operands(100, 384, 2, scale_f32, 1, seed=21)
+    if not scale_f32:
+        scale.view(torch.uint8)[0, 0], scale.view(torch.uint8)[1, 2] = 0, fp8.MAX_E8M0
+    out = torch.full(w.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    fp8._launch(fp8.Sm90Fp8Dequant(scale_f32=scale_f32), [w, fp8._scale_operand(scale), out])
+    want = fp8_block_dequantize(w, scale)
+    if scale_f32:
+        assert ((out.float() - want).abs() <= want.abs() * 2 ** -8).all()
+    else:
+        assert torch.equal(out, want.to(torch.bfloat16))
 
 
 @pytest.mark.gpu
