@@ -18,7 +18,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int64
+from cutlass import Float32, Int32, Int64, const_expr
 
 from . import sm90_ptx as ptx
 from .sm90_ptx import LOG2E
@@ -26,6 +26,8 @@ from .cute_host import compile_op as _compile, expect as _expect, launch as _lau
 
 HC_SIZES = (1, 2, 4)                   # streams per token: a power of two whose comb fits one warp (V4: 4)
 PRE_THREADS = 1024                     # Sm90HcPre: threads of a token's CTA (V4-Flash: one 16-byte load a stream)
+NORM_CHUNKS = 2                        # Sm90HcPre with the norm: 16-byte pieces of the collapse a thread holds ...
+NORM_MAX_HIDDEN = NORM_CHUNKS * PRE_THREADS * 4   # ... so H up to 8192 (V4-Flash 4096, V4-Pro 7168)
 
 
 def _exp(x: Float32) -> Float32:
@@ -58,32 +60,39 @@ class Sm90HcPre:
 
     Operands: ``x`` f32 [N, hc*H] (each token's streams, contiguous, 16-byte aligned, H a multiple of 4), ``mm``
     f32 [N, (2+hc)*hc], ``base`` f32 [(2+hc)*hc], ``scale`` f32 [3], ``out`` f32 [N, H], ``pre`` f32 [N, hc],
-    ``post`` f32 [N, hc], ``comb`` f32 [N, hc*hc].
+    ``post`` f32 [N, hc], ``comb`` f32 [N, hc*hc], ``weight`` f32 [H].
+
+    With ``norm`` the sublayer's RMSNorm follows in the same launch: ``out = c * rsqrt(mean(c^2) + norm_eps) *
+    weight`` for the collapse ``c``, which the CTA keeps in registers (H at most ``NORM_MAX_HIDDEN``); without it
+    ``weight`` is not read.
     """
 
     @staticmethod
-    def can_implement(hc: int, hidden: int) -> bool:
-        """Whether the kernel takes ``hc`` streams (a lane per comb entry) of ``hidden`` (16-byte loads) per token."""
-        return hc in HC_SIZES and hidden % 4 == 0
+    def can_implement(hc: int, hidden: int, norm: bool = False) -> bool:
+        """Whether the kernel takes ``hc`` streams (a lane per comb entry) of ``hidden`` (16-byte loads) per token,
+        and with ``norm`` the collapse in registers (``NORM_MAX_HIDDEN``)."""
+        return hc in HC_SIZES and hidden % 4 == 0 and (not norm or hidden <= NORM_MAX_HIDDEN)
 
-    def __init__(self, *, hc: int, iters: int, hc_eps: float, norm_eps: float):
+    def __init__(self, *, hc: int, iters: int, hc_eps: float, norm_eps: float, norm: bool = False):
         if hc not in HC_SIZES or iters < 1:
             raise ValueError(f"hc must be one of {HC_SIZES} and iters >= 1, got hc={hc}, iters={iters}")
         self.hc, self.iters, self.eps, self.norm_eps = hc, iters, float(hc_eps), float(norm_eps)
+        self.norm = norm
         self.threads = PRE_THREADS
 
     def key(self) -> tuple:
-        return (self.hc, self.iters, self.eps, self.norm_eps)
+        return (self.hc, self.iters, self.eps, self.norm_eps, self.norm)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mMM: cute.Tensor, mBase: cute.Tensor, mScale: cute.Tensor,
-                 mOut: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor, stream):
-        self.kernel(mX, mMM, mBase, mScale, mOut, mPre, mPost, mComb).launch(
+                 mOut: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor, mWeight: cute.Tensor,
+                 stream):
+        self.kernel(mX, mMM, mBase, mScale, mOut, mPre, mPost, mComb, mWeight).launch(
             grid=[mX.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mMM: cute.Tensor, mBase: cute.Tensor, mScale: cute.Tensor,
-               mOut: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor):
+               mOut: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor, mWeight: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         t, _, _ = cute.arch.block_idx()
         hc = self.hc
@@ -123,17 +132,54 @@ class Sm90HcPre:
         for i in cutlass.range_constexpr(hc):
             pre[i] = ptx.ld_shared_f32(s_pre + i * 4)
         out_row = mOut.iterator.toint() + Int64(t) * Int64(h) * 4
-        for c in cutlass.range(tidx, h // 4, PRE_THREADS, unroll=1):
-            v = ptx.ld_global_v4_f32(x_row + Int64(c) * 16)
-            acc = cute.make_rmem_tensor((4,), Float32)
-            for e in cutlass.range_constexpr(4):
-                acc[e] = pre[0] * v[e]
-            for i in cutlass.range_constexpr(1, hc):
-                v = ptx.ld_global_v4_f32(x_row + (Int64(i) * Int64(h) + Int64(c) * 4) * 4)
+        if const_expr(not self.norm):
+            for c in cutlass.range(tidx, h // 4, PRE_THREADS, unroll=1):
+                acc = self.collapse(x_row, h, c, pre)
+                ptx.st_global_v2_f32(out_row + Int64(c) * 16, acc[0], acc[1])
+                ptx.st_global_v2_f32(out_row + Int64(c) * 16 + 8, acc[2], acc[3])
+        else:
+            # 4. the RMSNorm of the collapse: its values stay in registers (NORM_CHUNKS 16-byte pieces a thread)
+            vals = cute.make_rmem_tensor((NORM_CHUNKS * 4,), Float32)
+            sq = Float32(0.0)
+            for j in cutlass.range_constexpr(NORM_CHUNKS):
+                c = tidx + j * PRE_THREADS
                 for e in cutlass.range_constexpr(4):
-                    acc[e] = acc[e] + pre[i] * v[e]
-            ptx.st_global_v2_f32(out_row + Int64(c) * 16, acc[0], acc[1])
-            ptx.st_global_v2_f32(out_row + Int64(c) * 16 + 8, acc[2], acc[3])
+                    vals[j * 4 + e] = Float32(0.0)
+                if c < h // 4:
+                    acc = self.collapse(x_row, h, c, pre)
+                    for e in cutlass.range_constexpr(4):
+                        vals[j * 4 + e] = acc[e]
+                        sq = sq + acc[e] * acc[e]
+            for sh in cutlass.range_constexpr(5):
+                sq = sq + cute.arch.shuffle_sync_bfly(sq, 1 << sh)
+            # the per-warp sums reuse step 1's slots: the first warp read those before the barrier after step 2
+            if tidx % 32 == 0:
+                ptx.st_shared_f32(sb + (tidx // 32) * 4, sq)
+            cute.arch.sync_threads()
+            total = ptx.ld_shared_f32(sb)
+            for w in cutlass.range_constexpr(1, n_warps):
+                total = total + ptx.ld_shared_f32(sb + w * 4)
+            r = cute.math.rsqrt(total / Float32(h) + Float32(self.norm_eps))
+            for j in cutlass.range_constexpr(NORM_CHUNKS):
+                c = tidx + j * PRE_THREADS
+                if c < h // 4:
+                    wv = ptx.ld_global_v4_f32(mWeight.iterator.toint() + Int64(c) * 16)
+                    ptx.st_global_v2_f32(out_row + Int64(c) * 16, vals[j * 4] * r * wv[0], vals[j * 4 + 1] * r * wv[1])
+                    ptx.st_global_v2_f32(out_row + Int64(c) * 16 + 8, vals[j * 4 + 2] * r * wv[2],
+                                         vals[j * 4 + 3] * r * wv[3])
+
+    @cute.jit
+    def collapse(self, x_row: Int64, h: Int32, c: Int32, pre: cute.Tensor) -> cute.Tensor:
+        """``sum_i pre_i x_i`` of the token's 16-byte piece ``c`` (4 values)."""
+        v = ptx.ld_global_v4_f32(x_row + Int64(c) * 16)
+        acc = cute.make_rmem_tensor((4,), Float32)
+        for e in cutlass.range_constexpr(4):
+            acc[e] = pre[0] * v[e]
+        for i in cutlass.range_constexpr(1, self.hc):
+            v = ptx.ld_global_v4_f32(x_row + (Int64(i) * Int64(h) + Int64(c) * 4) * 4)
+            for e in cutlass.range_constexpr(4):
+                acc[e] = acc[e] + pre[i] * v[e]
+        return acc
 
     def token(self, mMM, mBase, mScale, t, lane, r) -> tuple:
         """The first warp: the token's mixes (its raw products times the RMS norm's reciprocal ``r``) and weights:
@@ -222,15 +268,19 @@ class Sm90HcPost:
 
 
 def sm90_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
-                hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                hc_eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc_reference.hc_pre`` on the GPU: streams x [..., hc, H] -> (sublayer input [..., H], post [..., hc], comb
-    [..., hc, hc]), all float32: the product by ``fn`` (cuBLAS), then one launch."""
+    [..., hc, hc]), all float32: the product by ``fn`` (cuBLAS), then one launch. With ``norm_weight`` [H] the
+    sublayer input comes RMS-normalised (eps ``norm_eps``) and scaled by it, in the same launch."""
     *lead, hc, h = x.shape
     m = (2 + hc) * hc
     _expect(x.is_cuda and tuple(fn.shape) == (m, hc * h), f"x must be CUDA [..., hc, H] and fn [(2+hc)*hc = {m}, "
             f"hc*H], got x {tuple(x.shape)}, fn {tuple(fn.shape)}")
-    _expect(Sm90HcPre.can_implement(hc, h), f"x must have {HC_SIZES} streams of a width divisible by 4, got "
-            f"{tuple(x.shape)}")
+    norm = norm_weight is not None
+    _expect(Sm90HcPre.can_implement(hc, h, norm), f"x must have {HC_SIZES} streams of a width divisible by 4 (at "
+            f"most {NORM_MAX_HIDDEN} with the norm), got {tuple(x.shape)}")
+    _expect(not norm or tuple(norm_weight.shape) == (h,), f"norm_weight must be [{h}], got {tuple(norm_weight.shape)}")
     flat = x.float().reshape(-1, hc * h).contiguous()   # a copy only of the embedding's broadcast streams
     if flat.data_ptr() % 16:                             # a view at an odd offset: the kernel loads 16 bytes
         flat = flat.clone()
@@ -242,25 +292,28 @@ def sm90_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
     comb = torch.empty(n, hc * hc, dtype=torch.float32, device=x.device)
     if n:
         # the reference runs the first column normalisation whatever ``iters``: 0 rounds of Sinkhorn after it == 1
-        _launch(Sm90HcPre(hc=hc, iters=max(iters, 1), hc_eps=hc_eps, norm_eps=norm_eps),
-                [flat, mm, base.float().contiguous(), scale.float().contiguous(), out, pre, post, comb])
+        scale32 = scale.float().contiguous()
+        weight = norm_weight.float().contiguous() if norm else scale32   # not read without the norm
+        _launch(Sm90HcPre(hc=hc, iters=max(iters, 1), hc_eps=hc_eps, norm_eps=norm_eps, norm=norm),
+                [flat, mm, base.float().contiguous(), scale32, out, pre, post, comb, weight])
     return out.view(*lead, h), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 
 def warmup(hc: int, iters: int, hc_eps: float, norm_eps: float, device) -> int:
-    """Compile the kernels :func:`sm90_hc_pre` and :func:`sm90_hc_post` launch for these settings (the sublayer's
-    output in BF16 or float32); returns their count."""
+    """Compile the kernels :func:`sm90_hc_pre` (with and without the sublayer's norm) and :func:`sm90_hc_post` (the
+    sublayer's output in BF16 or float32) launch for these settings; returns their count."""
     m = (2 + hc) * hc
     f32 = dict(dtype=torch.float32, device=device)
-    _compile(Sm90HcPre(hc=hc, iters=max(iters, 1), hc_eps=hc_eps, norm_eps=norm_eps),
-             [torch.empty(1, hc * 16, **f32), torch.empty(1, m, **f32), torch.empty(m, **f32), torch.empty(3, **f32),
-              torch.empty(1, 16, **f32), torch.empty(1, hc, **f32), torch.empty(1, hc, **f32),
-              torch.empty(1, hc * hc, **f32)])
+    for norm in (False, True):
+        _compile(Sm90HcPre(hc=hc, iters=max(iters, 1), hc_eps=hc_eps, norm_eps=norm_eps, norm=norm),
+                 [torch.empty(1, hc * 16, **f32), torch.empty(1, m, **f32), torch.empty(m, **f32),
+                  torch.empty(3, **f32), torch.empty(1, 16, **f32), torch.empty(1, hc, **f32),
+                  torch.empty(1, hc, **f32), torch.empty(1, hc * hc, **f32), torch.empty(16, **f32)])
     for dtype in (torch.bfloat16, torch.float32):
         _compile(Sm90HcPost(hc=hc), [torch.empty(1, 16, dtype=dtype, device=device), torch.empty(1, hc * 16, **f32),
                                      torch.empty(1, hc, **f32), torch.empty(1, hc * hc, **f32),
                                      torch.empty(1, hc * 16, **f32)])
-    return 3
+    return 4
 
 
 def sm90_hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,14 @@ class ReferenceBackend:
         return decode_attention_reference(q, kv_window, window_len, kv_compressed, indices, sink, scale)
 
     # -- mHC --------------------------------------------------------------------------------------
-    hc_pre = staticmethod(mhc_reference.hc_pre)
+    def hc_pre(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
+               hc_eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``mhc_reference.hc_pre``; with ``norm_weight`` the sublayer input comes through the sublayer's RMSNorm
+        (:meth:`rms_norm`, eps ``norm_eps``), so that a backend may do both in one launch."""
+        h, post, comb = mhc_reference.hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+        return (h if norm_weight is None else self.rms_norm(h, norm_weight, norm_eps)), post, comb
+
     hc_post = staticmethod(mhc_reference.hc_post)
     hc_head = staticmethod(mhc_reference.hc_head)
 

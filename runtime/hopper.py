@@ -12,8 +12,8 @@ the PyTorch references everywhere else.
 * the decode state (ring, compressed entries, indexer keys) is kept in BF16 (``state_dtype``), the
   dtype these kernels read, so no step converts it;
 * mHC before each sublayer (``hc_pre``): :func:`~nvfp4_megamoe.kernels.sm90_mhc.sm90_hc_pre`, the product by
-  ``fn`` and one launch for the RMS norm, the sigmoids, softmax and Sinkhorn rounds and the collapse (about 160
-  torch calls per reference ``hc_pre``);
+  ``fn`` and one launch for the RMS norm, the sigmoids, softmax and Sinkhorn rounds, the collapse and the
+  sublayer's own RMSNorm (about 160 torch calls per reference ``hc_pre``, and the norm's launch);
 * dense NVFP4 linears (attention projections, shared experts, ``wo_a`` with all its groups in one launch):
   :func:`~nvfp4_megamoe.kernels.sm90_nvfp4_linear.sm90_nvfp4_linear` (W4A16, float32 out) where it tiles the
   weight (``can_implement``; ``wo_a``: 128-row groups, so each group's scales are whole swizzle atoms);
@@ -247,13 +247,17 @@ class HopperBackend(ReferenceBackend):
 
     # -- mHC ---------------------------------------------------------------------------------------
     def hc_pre(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-               iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               iters: int, hc_eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPre, sm90_hc_pre
 
-        if not (x.is_cuda and Sm90HcPre.can_implement(x.shape[-2], x.shape[-1])):
-            return super().hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+        norm = norm_weight is not None
+        if not (x.is_cuda and Sm90HcPre.can_implement(x.shape[-2], x.shape[-1], norm)):
+            return super().hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                                  norm_weight=norm_weight)
         self.kernel_calls["hc_pre"] += 1
-        return sm90_hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
+        return sm90_hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                           norm_weight=self._f32(norm_weight) if norm else None)
 
     def hc_post(self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, sm90_hc_post

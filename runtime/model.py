@@ -296,17 +296,20 @@ class Model:
 
     def _layer(self, lw: LayerWeights, streams, input_ids, positions, attend):
         """One decoder layer: mHC, norm, attention (``attend``: the chunk's or the step's core), mHC; then the FFN half."""
-        be, cfg = self.backend, self.config
-        x, post, comb = be.hc_pre(streams, lw.hc_attn.fn, lw.hc_attn.base, lw.hc_attn.scale, **self._hc_kw())
-        out = self._attention(lw, be.rms_norm(x, lw.attn_norm, cfg.rms_norm_eps), positions, attend)
+        be = self.backend
+        # the sublayer's norm within hc_pre (its norm eps is the model's rms_norm_eps): one launch on the GPU
+        x, post, comb = be.hc_pre(streams, lw.hc_attn.fn, lw.hc_attn.base, lw.hc_attn.scale,
+                                  norm_weight=lw.attn_norm, **self._hc_kw())
+        out = self._attention(lw, x, positions, attend)
         streams = be.hc_post(out, streams, post, comb)
         return self._ffn_half(lw, streams, input_ids)
 
     def _ffn_half(self, lw: LayerWeights, streams, input_ids):
         """mHC, norm, MoE, mHC (no decode state)."""
-        be, cfg = self.backend, self.config
-        x, post, comb = be.hc_pre(streams, lw.hc_ffn.fn, lw.hc_ffn.base, lw.hc_ffn.scale, **self._hc_kw())
-        out = self._moe(lw, be.rms_norm(x, lw.ffn_norm, cfg.rms_norm_eps), input_ids)
+        be = self.backend
+        x, post, comb = be.hc_pre(streams, lw.hc_ffn.fn, lw.hc_ffn.base, lw.hc_ffn.scale,
+                                  norm_weight=lw.ffn_norm, **self._hc_kw())
+        out = self._moe(lw, x, input_ids)
         return be.hc_post(out, streams, post, comb)
 
     def _head(self, streams):

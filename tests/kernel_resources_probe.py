@@ -115,7 +115,8 @@ def jobs(every: bool) -> list[tuple]:
             record(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, cluster=cluster), args)
     for groups in (1, 4):
         record(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]])
-    record(Sm90HcPre(hc=4, iters=20, hc_eps=1e-6, norm_eps=1e-6), hc_pre_args(4))
+    for norm in (False, True):
+        record(Sm90HcPre(hc=4, iters=20, hc_eps=1e-6, norm_eps=1e-6, norm=norm), hc_pre_args(4))
     record(Sm90HcPost(hc=4), hc_post_args(4))
     # the FP8 linears: one configuration per register shape (token tile, row tiles, depth) V4's weights pick, and the
     # float32-scale and BF16-out forms of the decode one

@@ -38,10 +38,11 @@ def moe_gemm_args(h: int, i: int, e: int = 2, t: int = 3, top_k: int = 6
 
 
 def hc_pre_args(hc: int, h: int = 64, n: int = 5) -> list[torch.Tensor]:
-    """x, mm, base, scale, out, pre, post, comb of ``Sm90HcPre`` for ``n`` tokens of ``hc`` streams of ``h``."""
+    """x, mm, base, scale, out, pre, post, comb, weight of ``Sm90HcPre`` for ``n`` tokens of ``hc`` streams of
+    ``h``."""
     m = (2 + hc) * hc
     return [torch.zeros(n, hc * h), torch.zeros(n, m), torch.zeros(m), torch.zeros(3), torch.zeros(n, h),
-            torch.zeros(n, hc), torch.zeros(n, hc), torch.zeros(n, hc * hc)]
+            torch.zeros(n, hc), torch.zeros(n, hc), torch.zeros(n, hc * hc), torch.zeros(h)]
 
 
 def hc_post_args(hc: int, h: int = 64, n: int = 5, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:

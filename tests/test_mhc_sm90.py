@@ -19,10 +19,12 @@ from sm90_stand_ins import hc_post_args, hc_pre_args  # noqa: E402
 
 
 @pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
-@pytest.mark.parametrize("hc,iters", [(4, 20), (2, 1)])
-def test_hc_pre_compiles_sm90a(hc, iters):
+@pytest.mark.parametrize("hc,iters,norm", [(4, 20, False), (4, 20, True), (2, 1, False)])
+def test_hc_pre_compiles_sm90a(hc, iters, norm):
     from nvfp4_megamoe.kernels.cute_host import compile_op
-    assert compile_op(Sm90HcPre(hc=hc, iters=iters, hc_eps=1e-6, norm_eps=1e-6), hc_pre_args(hc)) is not None
+    op = Sm90HcPre(hc=hc, iters=iters, hc_eps=1e-6, norm_eps=1e-6, norm=norm)
+    assert compile_op(op, hc_pre_args(hc)) is not None
+    assert Sm90HcPre.can_implement(4, 8192, norm=True) and not Sm90HcPre.can_implement(4, 8196, norm=True)
     with pytest.raises(ValueError, match="hc must be"):
         Sm90HcPre(hc=3, iters=20, hc_eps=1e-6, norm_eps=1e-6)
 
@@ -45,6 +47,29 @@ def test_hc_pre_kernel_matches_reference(lead, hc, h, iters, broadcast):
     scale = torch.rand(3, device="cuda", generator=gen) + 0.5
     got = sm90_hc_pre(x, fn, base, scale, iters=iters, hc_eps=1e-6, norm_eps=1e-6)
     want = hc_pre(x, fn, base, scale, iters=iters, hc_eps=1e-6, norm_eps=1e-6)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == torch.float32 and g.isfinite().all()
+        assert rel_err(g, w) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead,hc,h", [((1,), 4, 4096), ((3, 37), 4, 7168), ((300,), 4, 256), ((2,), 2, 8192)])
+def test_hc_pre_with_the_sublayer_norm_matches_reference(lead, hc, h):
+    """The sublayer input RMS-normalised and scaled by its weight in the same launch (the collapse kept in
+    registers: 1 or 2 pieces a thread, most threads idle at H = 256), against the reference's collapse then
+    RMSNorm; post and comb as without the norm."""
+    from nvfp4_megamoe.runtime.backend import ReferenceBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(hc + h + len(lead))
+    m = (2 + hc) * hc
+    x = torch.randn(*lead, hc, h, device="cuda", generator=gen) * 3
+    fn = torch.randn(m, hc * h, device="cuda", generator=gen) * (4 / (hc * h) ** 0.5)
+    base = torch.randn(m, device="cuda", generator=gen)
+    scale = torch.rand(3, device="cuda", generator=gen) + 0.5
+    weight = (torch.rand(h, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    kw = dict(iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    got = sm90_hc_pre(x, fn, base, scale, norm_weight=weight.float(), **kw)
+    want = ReferenceBackend().hc_pre(x, fn, base, scale, norm_weight=weight, **kw)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == torch.float32 and g.isfinite().all()
         assert rel_err(g, w) < 1e-5
