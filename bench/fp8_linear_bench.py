@@ -8,8 +8,6 @@ Every dense linear of a V4 layer that the official releases store in FP8 (``--pr
   splits (``fp8_s<S>``) and, at 32 tokens, one row tile (``fp8_rt1``);
 * ``dequant_bf16``: the weight dequantised to BF16, then cuBLAS BF16 (float32 accumulation and out): what
   ``sm90_fp8_linear`` runs past the kernel's token range (``sm90_heuristics.fp8_kernel_pays``);
-* ``wgmma_fp8``: ``sm90_fp8_wgmma_linear``, FP8 x FP8 on the FP8 tensor cores, the activations' quantisation per
-  1 x 128 block included;
 * ``reference``: what a FP8 linear costs without the kernel (``fp8_linear``: the weight dequantised to float32 at
   every call, a float32 GEMM);
 * ``nvfp4``: the NVFP4 linear of the same shape (``sm90_nvfp4_linear``), the default conversion's dense layers;
@@ -83,7 +81,6 @@ def main(argv: list[str] | None = None) -> None:
     from gpu_timing import ColdTimer, measure_bf16_matmul, measure_copy, time_into
 
     from nvfp4_megamoe.kernels import cute_host, sm90_fp8_linear as fp8
-    from nvfp4_megamoe.kernels import sm90_fp8_wgmma as wgmma
     from nvfp4_megamoe.kernels import sm90_nvfp4_linear as nvfp4
     from nvfp4_megamoe.kernels.fp8_reference import fp8_linear
     from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
@@ -138,8 +135,6 @@ def main(argv: list[str] | None = None) -> None:
             time_into(row, key, run, timer, args.reps)
         time_into(row, "dequant_bf16", lambda: [fp8._dequantized_linear(x, w[i], sc[i], out, groups) for i in chain],
                   timer, args.reps)
-        time_into(row, "wgmma_fp8", lambda: [wgmma.sm90_fp8_wgmma_linear(x, w[i], sc[i], groups) for i in chain],
-                  timer, args.reps)
         wf8 = w.view(torch.float8_e4m3fn)
         if groups == 1:
             time_into(row, "reference", lambda: [fp8_linear(x, wf8[i], sc[i]) for i in chain], timer, args.reps)
@@ -156,9 +151,10 @@ def main(argv: list[str] | None = None) -> None:
         got = row.get("fp8_us", float("nan"))
         best = min((v, key) for key, v in row.items() if key.startswith("fp8") and key.endswith("_us"))
         print(f"{name:13s} N={n:6d} K={k:5d} G={groups} T={t:5d}: fp8 {got:7.1f} us ({row['floor_us'] / got:5.1%} of "
-              f"floor {row['floor_us']:6.1f}); best {best[1][:-3]} {best[0]:7.1f}; "
-              + "; ".join(f"{key} {row.get(key + '_us', float('nan')):7.1f}"
-                          for key in ("dequant_bf16", "wgmma_fp8", "nvfp4", "scaled_mm", "reference")))
+              f"floor {row['floor_us']:6.1f}); best {best[1][:-3]} {best[0]:7.1f}; dequant_bf16 "
+              f"{row.get('dequant_bf16_us', float('nan')):7.1f}; nvfp4 "
+              f"{row.get('nvfp4_us', float('nan')):7.1f}; scaled_mm {row.get('scaled_mm_us', float('nan')):7.1f}; "
+              f"reference {row.get('reference_us', float('nan')):8.1f}")
     for t in tokens:
         sel = [r for r in rows_out if r["tokens"] == t]
         got, floor = sum(r["fp8_us"] for r in sel), sum(r["floor_us"] for r in sel)

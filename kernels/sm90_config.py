@@ -148,26 +148,6 @@ class Fp8LinearConfig:
 
 
 @dataclass(frozen=True)
-class Fp8WgmmaConfig:
-    """One compiled FP8 x FP8 WGMMA linear (``sm90_fp8_wgmma``): activations quantised to E4M3 per 1 x 128 block,
-    E4M3 weights with 128 x 128 block scales, float32 accumulation, the scales applied per 128-deep k-block.
-
-    Attributes:
-        n: weight rows per group (a multiple of 128: a CTA's 128 rows share one block row of scales).
-        k: in features per group, a multiple of 128.
-        groups: G linears of one launch (x [T, G, K], weights [G * N, K], out [T, G, N]).
-        stages: k-blocks in the shared-memory ring (32 KB each: 128 tokens and 128 weight rows of one k-block).
-        scale_f32: the weights' block scales are float32 (-Base), not E8M0 bytes.
-    """
-
-    n: int
-    k: int
-    groups: int = 1
-    stages: int = 4
-    scale_f32: bool = False
-
-
-@dataclass(frozen=True)
 class GemmConfig:
     """One compiled GEMM: its problem and its tiling (the tiling's type picks the kernel family)."""
 

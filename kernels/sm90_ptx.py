@@ -190,9 +190,8 @@ def f32x2_to_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
 # --- WGMMA (MoE prefill ``sm90_moe_wgmma``, decode attention) ---
 
 def _wgmma_bf16(acc: list, a_args: list, a_cons: list, a_text: str, desc_b: Int64, accumulate: bool,
-                imm_tail: str, loc, ip, types: str = "k16.f32.bf16.bf16") -> list:
-    """``wgmma.mma_async ... m64nN<types>`` (default k16, BF16 in) on this thread's N/2 accumulators
-    (N = 2 * len(acc))."""
+                imm_tail: str, loc, ip) -> list:
+    """``wgmma.mma_async ... m64nNk16.f32.bf16.bf16`` on this thread's N/2 accumulators (N = 2 * len(acc))."""
     n_acc = len(acc)
     args = [Float32(v).ir_value(loc=loc, ip=ip) for v in acc] + a_args
     args.append(Int64(desc_b).ir_value(loc=loc, ip=ip))
@@ -206,7 +205,7 @@ def _wgmma_bf16(acc: list, a_args: list, a_cons: list, a_text: str, desc_b: Int6
         _struct(n_acc, "f32"), args,
         "{.reg .pred p;\n\t"
         f"setp.ne.b32 p, ${2 * n_acc + n_a + 1}, 0;\n\t"
-        f"wgmma.mma_async.sync.aligned.m64n{2 * n_acc}{types} {{{d}}}, {a}, ${2 * n_acc + n_a}, p, "
+        f"wgmma.mma_async.sync.aligned.m64n{2 * n_acc}k16.f32.bf16.bf16 {{{d}}}, {a}, ${2 * n_acc + n_a}, p, "
         f"{imm_tail};}}",
         cons, has_side_effects=True, loc=loc, ip=ip)
     return list(_unpack(res, n_acc, T.f32(), Float32, loc, ip))
@@ -232,14 +231,6 @@ def wgmma_bf16_ss(acc: list, desc_a: Int64, desc_b: Int64, accumulate: bool = Tr
     ``accumulate`` D = A B (the incoming ``acc`` values are ignored)."""
     return _wgmma_bf16(acc, [Int64(desc_a).ir_value(loc=loc, ip=ip)], ["l"], "{0}", desc_b, accumulate,
                        "1, 1, 0, 0", loc, ip)
-
-
-@dsl_user_op
-def wgmma_e4m3_ss(acc: list, desc_a: Int64, desc_b: Int64, accumulate: bool = True, *, loc=None, ip=None) -> list:
-    """``wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3``, both operands K-major in shared memory (the only
-    layout FP8 ``wgmma`` takes), N = 2 * len(acc); without ``accumulate`` D = A B."""
-    return _wgmma_bf16(acc, [Int64(desc_a).ir_value(loc=loc, ip=ip)], ["l"], "{0}", desc_b, accumulate,
-                       "1, 1", loc, ip, types="k32.f32.e4m3.e4m3")
 
 
 @dsl_user_op

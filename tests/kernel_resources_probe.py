@@ -89,11 +89,7 @@ def jobs(every: bool) -> list[tuple]:
     from nvfp4_megamoe.kernels.sm90_decode_attention import (CLUSTERS, Sm90DecodeAttention,
                                                              Sm90DecodeAttentionCombine)
     from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre
-    import torch
-
-    from nvfp4_megamoe.kernels.sm90_config import Fp8WgmmaConfig
     from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Dequant, Sm90Fp8Linear
-    from nvfp4_megamoe.kernels.sm90_fp8_wgmma import Sm90Fp8Wgmma
     from nvfp4_megamoe.kernels.sm90_heuristics import fp8_linear_config, fp8_linear_token_counts
     from sm90_stand_ins import FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args
 
@@ -134,8 +130,6 @@ def jobs(every: bool) -> list[tuple]:
     for scale_f32 in (False, True):
         w, scale, x, _ = fp8_linear_args(scale_f32=scale_f32)
         record(Sm90Fp8Dequant(scale_f32=scale_f32), [w, scale, x.new_zeros(w.shape)])
-        record(Sm90Fp8Wgmma(Fp8WgmmaConfig(n=1024, k=4096, scale_f32=scale_f32)),
-               [w, scale.new_zeros(3, 2, dtype=torch.float32), w, scale, x.new_zeros(3, 256, dtype=torch.float32)])
     chosen = list(found.values())
     if not every:  # per GEMM configuration up to its token tile: the widest tile (then the fewest MMA widths)
         widest: dict[tuple, tuple] = {}
