@@ -7,10 +7,12 @@ scale per 128 x 128 block, E8M0 bytes (the official releases) or float32 (-Base)
 
 Operand roles, as in the NVFP4 GEMM (``sm90_moe_gemm``): weight rows are the MMA's A operand (16 a warp per row
 tile), tokens the B operand (8 per MMA), so one token fills an MMA. Each thread loads its rows' bytes straight from
-global memory into a register pipeline: in a 128-K tile, lane quad ``c = lane % 4`` owns logical k ``32c .. 32c+31``
-of a row (32 bytes, two 16-byte loads), and MMA step ``s`` (0..7) takes k ``32c + 4s .. 32c + 4s + 3`` into the
-fragment slots (2c, 2c+1, 2c+8, 2c+9): one weight word per step and row, and the two activation words the lane
-loads for the same k, in memory order (no permutation).
+global memory into a register pipeline: in a 128-K tile, lane quad ``c = lane % 4`` owns k ``16c .. 16c+15`` and
+``64+16c .. 64+16c+15`` of a row (32 bytes, two 16-byte loads; the quad's four lanes read each 64-byte half of the
+tile whole, so every 32-byte sector a load touches is used by that load, none fetched twice past L1). MMA step ``s``
+(0..7) takes the lane's k ``4s .. 4s + 3`` in that order into the fragment slots (2c, 2c+1, 2c+8, 2c+9): one weight
+word per step and row, and the two activation words the lane loads for the same k, in memory order (a sum over k
+does not depend on which k a slot holds, so long as weights and activations agree).
 
 Decode. An E4M3 byte placed as BF16 bits ``s << 15 | (e m) << 4`` reads as ``value * 2**-120`` for every code,
 subnormals included (a prmt and three logic ops per two values). Instead of scaling the weights back, the activations
@@ -43,6 +45,8 @@ from .sm90_heuristics import fp8_kernel_pays, fp8_linear_config, fp8_linear_toke
 
 WARPS = 4                 # row groups (warps) per CTA, each 16 * row_tiles weight rows
 SCALE_BLOCK = 128         # rows and columns of one block scale
+HALF_K = K_TILE // 2       # a k-tile's two halves: lane quad c owns k [LANE_K c, LANE_K (c + 1)) of each
+LANE_K = HALF_K // 4
 X_LOG2 = 64               # the activations ride the MMAs times 2**X_LOG2 (and the block scale)
 DECODE_LOG2 = 120         # an E4M3 byte moved into BF16 bits reads as value * 2**-DECODE_LOG2
 _SIGN = 0x80008000 - (1 << 32)   # the two BF16 sign bits (an Int32 constant)
@@ -140,14 +144,14 @@ class Sm90Fp8Linear:
         w_addr = cute.make_rmem_tensor((self.row_tiles, 2), Int64)
         for mt in cutlass.range_constexpr(self.row_tiles):
             for h in cutlass.range_constexpr(2):
-                w_addr[mt, h] = mW.iterator.toint() + Int64(row_base + mt * 16 + h * 8 + g) * k + Int64(c * 32)
+                w_addr[mt, h] = mW.iterator.toint() + Int64(row_base + mt * 16 + h * 8 + g) * k + Int64(c * LANE_K)
         x_addr = cute.make_rmem_tensor((self.nb,), Int64)
         for nb in cutlass.range_constexpr(self.nb):
             t = nb * 8 + g
             if t > cnt - 1:
                 t = cnt - 1                     # columns past the tile's tokens read its last one (not stored)
             x_addr[nb] = (mX.iterator.toint() + Int64(begin + t) * (self.xbytes * k * self.groups)
-                          + Int64((group * k + c * 32) * self.xbytes))
+                          + Int64((group * k + c * LANE_K) * self.xbytes))
 
         D = self.depth
         wbuf = cute.make_rmem_tensor((D, self.row_tiles, 2, 8), Int32)
@@ -197,7 +201,7 @@ class Sm90Fp8Linear:
         for mt in range(self.row_tiles):
             for h in range(2):
                 for q in range(2):
-                    v = ptx.ld_global_v4(w_addr[mt, h] + Int64(kt * K_TILE + q * 16))
+                    v = ptx.ld_global_v4(w_addr[mt, h] + Int64(kt * K_TILE + q * HALF_K))
                     for i in range(4):
                         wbuf[slot, mt, h, q * 4 + i] = v[i]
         mbuf[slot] = self.x_multiplier(mS[scale_row, kt])
@@ -205,9 +209,11 @@ class Sm90Fp8Linear:
     def load_x(self, raw: cute.Tensor, x_addr: cute.Tensor, kt: Int32) -> None:
         """The lane's activation words of k-tile ``kt`` (its 32 k: 16 BF16 pairs, or 32 floats) for each 8-token
         block, as they are in memory."""
+        per_half = self.xwords // 8                # 16-byte loads a half of the lane's k takes
         for nb in range(self.nb):
             for q in range(self.xwords // 4):
-                v = ptx.ld_global_v4_keep(x_addr[nb] + Int64(kt * K_TILE * self.xbytes + q * 16))
+                at = kt * K_TILE * self.xbytes + (q // per_half) * HALF_K * self.xbytes + (q % per_half) * 16
+                v = ptx.ld_global_v4_keep(x_addr[nb] + Int64(at))
                 for i in range(4):
                     raw[nb, q * 4 + i] = v[i]
 

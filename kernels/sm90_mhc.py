@@ -280,7 +280,8 @@ def sm90_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
     norm = norm_weight is not None
     _expect(Sm90HcPre.can_implement(hc, h, norm), f"x must have {HC_SIZES} streams of a width divisible by 4 (at "
             f"most {NORM_MAX_HIDDEN} with the norm), got {tuple(x.shape)}")
-    _expect(not norm or tuple(norm_weight.shape) == (h,), f"norm_weight must be [{h}], got {tuple(norm_weight.shape)}")
+    if norm:
+        _expect(tuple(norm_weight.shape) == (h,), f"norm_weight must be [{h}], got {tuple(norm_weight.shape)}")
     flat = x.float().reshape(-1, hc * h).contiguous()   # a copy only of the embedding's broadcast streams
     if flat.data_ptr() % 16:                             # a view at an odd offset: the kernel loads 16 bytes
         flat = flat.clone()
