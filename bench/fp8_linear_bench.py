@@ -4,8 +4,9 @@ Every dense linear of a V4 layer that the official releases store in FP8 (``--pr
 ``flash-layer`` or ``pro-layer``; the shared expert's w1 and w3 apart, as the source has them), at T = 1, 8, 32,
 64, 128 tokens (``--prefill``: also 2048):
 
-* ``fp8``: ``sm90_fp8_linear`` as the heuristics pick it (``fp8_linear_config``); with ``--sweep`` also its K
-  splits (``fp8_s<S>``) and, at 32 tokens, one row tile (``fp8_rt1``);
+* ``fp8``: ``sm90_fp8_linear`` as the heuristics pick it (``fp8_linear_config``), x BF16; ``fp8_x32`` the same
+  reading float32 x (the runtime's activations; calls of up to ``sm90_heuristics.fp8_reads_f32_x`` tokens run it);
+  with ``--sweep`` also its K splits (``fp8_s<S>``) and, at 32 tokens, one row tile (``fp8_rt1``);
 * ``dequant_bf16``: the weight dequantised to BF16, then cuBLAS BF16 (float32 accumulation and out): what
   ``sm90_fp8_linear`` runs past the kernel's token range (``sm90_heuristics.fp8_kernel_pays``);
 * ``reference``: what a FP8 linear costs without the kernel (``fp8_linear``: the weight dequantised to float32 at
@@ -66,7 +67,9 @@ def variants(n: int, k: int, t: int, groups: int, sweep: bool) -> dict:
     from nvfp4_megamoe.kernels.sm90_heuristics import fit_depth, fp8_linear_config
 
     picked = fp8_linear_config(n, k, t, groups=groups)
-    found = {"fp8": picked}
+    # the pick reading float32 x (the runtime's activations) and rounding it itself, as calls of up to
+    # ``fp8_reads_f32_x`` tokens run it
+    found = {"fp8": picked, "fp8_x32": replace(picked, x_f32=True)}
     if not sweep:
         return found
     for s in (1, 2, 4, 8, 16, 32):
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     with cute_host.collecting() as jobs:
         for name, n, k, groups, t, w, sc, w4, s4, alpha, x, out, found in cases:
             for config in found.values():
-                cute_host.compile_op(fp8.linear_op(config), [w[0], sc[0], x, out])
+                cute_host.compile_op(fp8.linear_op(config), [w[0], sc[0], x.float() if config.x_f32 else x, out])
             nvfp4.warmup(n, k, "cuda", groups=groups)
     print(f"compiled {cute_host.compile_all(jobs)} kernels")
 
@@ -124,14 +127,15 @@ def main(argv: list[str] | None = None) -> None:
         floor = max(nbytes / copy_bw, 2 * t * groups * n * k / bf16_rate)
         row = dict(name=name, n=n, k=k, groups=groups, tokens=t, floor_us=floor * 1e6,
                    picked=repr(found["fp8"]))
+        xf = x.float()
         for key, config in found.items():
             op = fp8.linear_op(config)
 
-            def run(op=op):
+            def run(op=op, xk=xf if config.x_f32 else x):
                 for i in chain:
                     if op.k_splits > 1:
                         out.zero_()
-                    cute_host.launch(op, [w[i], sc[i], x, out])
+                    cute_host.launch(op, [w[i], sc[i], xk, out])
             time_into(row, key, run, timer, args.reps)
         time_into(row, "dequant_bf16", lambda: [fp8._dequantized_linear(x, w[i], sc[i], out, groups) for i in chain],
                   timer, args.reps)

@@ -41,7 +41,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import K_TILE, Fp8LinearConfig
-from .sm90_heuristics import fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts
+from .sm90_heuristics import fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts, fp8_reads_f32_x
 
 WARPS = 4                 # row groups (warps) per CTA, each 16 * row_tiles weight rows
 SCALE_BLOCK = 128         # rows and columns of one block scale
@@ -378,10 +378,11 @@ def warmup(n: int, k: int, device: torch.device | str, scale_dtype: torch.dtype 
                     device=dev)
     x = torch.empty(1, groups * k, dtype=x_dtype, device=dev)
     out = torch.empty(1, groups * n, dtype=out_dtype, device=dev)
-    configs = {fp8_linear_config(n, k, t, out_dtype == torch.bfloat16, groups, scale_f32, x_dtype == torch.float32)
+    configs = {fp8_linear_config(n, k, t, out_dtype == torch.bfloat16, groups, scale_f32,
+                                 x_dtype == torch.float32 and fp8_reads_f32_x(t))
                for t in fp8_linear_token_counts()}
     for config in configs:
-        _compile(linear_op(config), [w, s, x, out])
+        _compile(linear_op(config), [w, s, x if config.x_f32 else x.to(torch.bfloat16), out])
     _compile(Sm90Fp8Dequant(scale_f32=scale_f32), [w, s, torch.empty(w.shape, dtype=torch.bfloat16, device=dev)])
     return len(configs) + 1
 
@@ -406,7 +407,8 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
                     out_dtype: torch.dtype = torch.float32, groups: int = 1) -> torch.Tensor:
     """Dense FP8 linear ``x @ (weight * scale).T``, or ``groups`` of them: ``out[t, g] = x[t, g] @ W[g].T``.
 
-    ``x`` BF16 or float32 [T, G * K] (T >= 1; float32 is rounded to BF16 as the kernel reads it); ``weight``
+    ``x`` BF16 or float32 [T, G * K] (T >= 1; float32: rounded to BF16 as the kernel reads it, or cast first where
+    ``sm90_heuristics.fp8_reads_f32_x`` says no); ``weight``
     float8_e4m3fn or its uint8 bytes [G * N, K] (group g: rows g N .. (g + 1) N); ``scale`` [ceil(G * N / 128),
     K / 128], E8M0 (float8_e8m0fnu or uint8 bytes) or float32. Returns ``out_dtype`` (float32 or BF16) [T, G * N].
     Calls of more tokens than the kernel pays for (``sm90_heuristics.fp8_kernel_pays``) dequantise W to BF16 and run
@@ -430,6 +432,8 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
                                      f"{tuple(out.shape)}")
     if not fp8_kernel_pays(x.shape[0]):
         return _dequantized_linear(x, weight, scale, out, groups)
+    if x.dtype == torch.float32 and not fp8_reads_f32_x(x.shape[0]):
+        x = x.to(torch.bfloat16)
     config = fp8_linear_config(n, k, x.shape[0], out.dtype == torch.bfloat16, groups, scale.dtype == torch.float32,
                                x.dtype == torch.float32)
     op = linear_op(config)

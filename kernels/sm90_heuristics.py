@@ -31,7 +31,9 @@ LINEAR_WGMMA_MIN_SHARE = 2               # ... while each share keeps this many 
 DIRECT_ONE_ROW_TILE_CTAS = 3              # direct calls with one row tile: CTAs per SM at most (PDL spread)
 WGMMA_WIDE_HIDDEN = 7168                  # layers this wide run two-warpgroup WGMMA CTAs from N = 64 ...
 WGMMA_TWO_GROUPS_MAX_TOKENS = 80          # ... with two m64 row groups a warpgroup up to this N
-FP8_KERNEL_MAX_TOKENS = 256              # FP8 dense linears of more tokens run dequantised to BF16 on cuBLAS
+FP8_KERNEL_MAX_TOKENS = 64               # FP8 dense linears of more tokens run dequantised to BF16 on cuBLAS
+FP8_F32_X_MAX_TOKENS = 8                  # FP8 linear calls up to this many tokens read float32 x as it is; longer
+                                          # ones take it cast to BF16 first
 WGMMA_L2_AHEAD = 8                        # k-tiles of weights prefetched into the L2 from N = 64
 
 
@@ -192,11 +194,19 @@ def fp8_linear_config(n: int, k: int, tokens: int, out_bf16: bool = False, group
 
 
 def fp8_kernel_pays(tokens: int) -> bool:
-    """Whether ``tokens`` rows run the FP8 linear kernel; longer calls run the weight dequantised to BF16 and cuBLAS.
-    V4-Flash's FP8 linears on an H200: the kernel is faster up to 256 tokens (wo_b 169 against 257 us; the
-    dequantisation alone takes most of the latter), cuBLAS from some hundreds on (2048 tokens: wo_b 396 against
-    1394 us; the kernel's BF16 mma.sync reaches about 100 TFLOP/s)."""
+    """Whether ``tokens`` rows run the FP8 linear kernel; longer calls run the weight dequantised to BF16
+    (``Sm90Fp8Dequant``, one launch) and cuBLAS. A V4-Flash layer's FP8 linears on an H200: the kernel 190 us against
+    251 at 64 tokens, 308 against 263 at 128 (its BF16 mma.sync MMAs bound it from there on), 669 against 299 at
+    256; the largest weights (``wq_b``, ``wo_b``) cross first, the small ones (``wq_a``) last."""
     return tokens <= FP8_KERNEL_MAX_TOKENS
+
+
+def fp8_reads_f32_x(tokens: int) -> bool:
+    """Whether the FP8 linear kernel reads float32 activations itself (rounding them to BF16 as it loads them) for a
+    call of ``tokens`` rows, saving the cast's launch (about 2 us in a decode step's graph, nine calls a layer). Twice
+    the activation bytes cost the kernel more from 16 tokens on: a V4-Flash layer's FP8 linears on an H200 take 80 /
+    84 / 102 us at 1 / 8 / 16 tokens with BF16 x, 85 / 94 / 144 us reading float32."""
+    return tokens <= FP8_F32_X_MAX_TOKENS
 
 
 def fp8_linear_token_counts() -> tuple[int, ...]:

@@ -121,7 +121,8 @@ class HopperBackend(ReferenceBackend):
         """x [..., G * K] (G = ``groups``) -> float32 [..., G * N] by the FP8 kernel (``_fp8_ready`` said yes)."""
         from nvfp4_megamoe.kernels.sm90_fp8_linear import sm90_fp8_linear
 
-        # float32 x as it is: the kernel rounds it to BF16 as it reads it (a cast launch saved per call)
+        # float32 x as it is: decode calls' kernel rounds it to BF16 as it reads it (a cast launch saved per call);
+        # sm90_fp8_linear casts it for longer ones
         xb = x.reshape(-1, w.weight.shape[1] * groups).float().contiguous()
         out = sm90_fp8_linear(xb, w.weight, w.scale, out_dtype=torch.float32, groups=groups)
         self.kernel_calls["linear"] += 1
