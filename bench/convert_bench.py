@@ -120,24 +120,32 @@ def time_convert(src: Path, out: Path, extra: list[str], workers: int) -> dict:
     if res.returncode != 0:
         raise SystemExit(f"conversion failed:\n{res.stderr[-3000:]}")
     result = {"wall_s": wall, "peak_rss_anon": peak, "out_bytes": folder_bytes(out), "workers": workers,
-              "timings": json.loads(timings.read_text())}
+              "shards": len(list(out.glob("*.safetensors"))), "timings": json.loads(timings.read_text())}
     timings.unlink()
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
     return result
 
 
+# The pipeline's stages in the scaling table's breakdown, in the order a byte meets them (``convert/timing.py``).
+STAGES = ("read", "check", "convert", "write", "io-write", "read-back", "hash-output", "hash-file")
+
+
 def scaling_row(r: dict, base: dict) -> str:
-    """One line of the scaling table: time, speed-up over the first worker count, what the workers did."""
+    """One line of the scaling table: time, speed-up over the first worker count, torch's import and the pipeline,
+    what the workers did, and each stage's wall seconds summed over its threads."""
     t = r["timings"]
     workers = t["threads"].get("convert", {"threads": 0, "busy_s": [], "stages": {}})
     busy = sum(workers["busy_s"]) / max(1, workers["threads"]) / t["wall_s"]
     stages = workers["stages"]
     cpu = sum(v["cpu_s"] for k, v in stages.items() if not k.startswith("wait:"))
     waits = sorted(((k, v["wall_s"]) for k, v in stages.items() if k.startswith("wait:")), key=lambda kv: -kv[1])
-    return (f"| {r['workers']} | {r['wall_s']:.1f} | {base['wall_s'] / r['wall_s']:.2f} | {busy * 100:.0f} % | "
+    phases = t.get("run", {}).get("phases", {})
+    per_stage = " ".join(f"{t['stages'].get(k, {}).get('wall_s', 0.0):.1f}" for k in STAGES)
+    return (f"| {r['workers']} | {r['wall_s']:.1f} | {base['wall_s'] / r['wall_s']:.2f} | "
+            f"{phases.get('import-torch', 0.0):.1f} | {t['wall_s']:.1f} | {busy * 100:.0f} % | "
             f"{cpu / max(1e-9, sum(workers['busy_s'])) * 100:.0f} % | "
-            + ", ".join(f"{k} {s:.1f}" for k, s in waits[:2]) + f" | {r['peak_rss_anon'] / 2**20:.0f} |")
+            + ", ".join(f"{k} {s:.1f}" for k, s in waits[:2]) + f" | {per_stage} | {r['peak_rss_anon'] / 2**20:.0f} |")
 
 
 def baseline_rss() -> int:
@@ -263,7 +271,8 @@ def main() -> None:
     print(f"all rounds (s): cp -r {_fmt(cp)}, cp -r && sync {_fmt(cp_sync)}, "
           + ", ".join(f"{name} {_fmt(res[name]['runs_s'])}" for name, _ in modes))
     print(f"baseline RssAnon (imports only): {res['baseline_rss_anon'] / 2**20:.0f} MiB")
-    print(f"cp -r: {res['cp_s']:.1f} s   cp -r && sync: {res['cp_sync_s']:.1f} s")
+    print(f"cp -r: {res['cp_s']:.1f} s   cp -r && sync: {res['cp_sync_s']:.1f} s   output of the default: "
+          f"{res['default']['out_bytes'] / 1e9:.2f} GB in {res['default']['shards']} shards")
     print("| run | time (s) | / cp -r | / cp -r+sync | source GB/s | peak RssAnon (MiB) |")
     print("|---|---|---|---|---|---|")
     rows = [("default", res["default"], size), ("--dense nvfp4", res["dense_nvfp4"], size),
@@ -282,11 +291,11 @@ def main() -> None:
         growth = res["twice_default"]["peak_rss_anon"] / res["default"]["peak_rss_anon"] - 1
         print(f"peak RssAnon growth at twice the experts: {growth * 100:+.1f}%")
     if res["scaling"]:
-        print("\nscaling (default options; busy: the share of the run the workers spent in a stage; CPU: the share of "
-              "that on a CPU)")
-        print("| workers | time (s) | speed-up | workers busy | busy on CPU | workers' longest waits (s) | "
-              "peak RssAnon (MiB) |")
-        print("|---|---|---|---|---|---|---|")
+        print("\nscaling (default options; busy: the share of the pipeline the workers spent in a stage; CPU: the "
+              "share of that on a CPU; stages: wall seconds summed over the threads, " + " / ".join(STAGES) + ")")
+        print("| workers | time (s) | speed-up | torch's import (s) | pipeline (s) | workers busy | busy on CPU | "
+              "workers' longest waits (s) | stages (s) | peak RssAnon (MiB) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in res["scaling"]:
             print(scaling_row(r, res["scaling"][0]))
     print(f"\nwhere the time went (default options, {args.workers} workers, best round):")

@@ -51,3 +51,20 @@ def test_timings_say_where_the_time_went(tmp_path):
     r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out2"), "--timings",
                                   str(tmp_path / "missing" / "t.json")])
     assert r.exit_code == 2 and "does not exist" in r.output and not (tmp_path / "out2").exists()
+
+
+def test_shards_hashed_side_by_side_give_each_file_its_sha256(tmp_path, monkeypatch):
+    """Several shards fill and hash at once (four hash threads, whatever this machine's CPUs): every shard's
+    recorded sha256 is hashlib's over the finished file, and the bytes are those of a run hashing on one thread."""
+    import hashlib
+
+    from nvfp4_megamoe.convert import api
+
+    src = write_synthetic(tmp_path / "src", preset="tiny", variant="flash")
+    one = convert_checkpoint(src, tmp_path / "one", progress=False, workers=1, shard_size=300_000)
+    monkeypatch.setattr(api, "hash_threads", lambda: 4)
+    four = convert_checkpoint(src, tmp_path / "four", progress=False, workers=4, shard_size=300_000)
+    assert len(four.manifest["shards"]) > 4 and four.manifest == one.manifest
+    for name, entry in four.manifest["shards"].items():
+        data = (tmp_path / "four" / name).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"] and data == (tmp_path / "one" / name).read_bytes()
