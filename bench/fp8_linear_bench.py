@@ -18,8 +18,10 @@ Every dense linear of a V4 layer that the official releases store in FP8 (``--pr
 Each figure is a CUDA graph of ``--chain`` calls back to back, each on its own copy of the weights, replayed with
 the L2 flushed first (``gpu_timing.ColdTimer``; the median over the calls). Floor: the larger of the FP8 weights,
 block scales, x and out read or written once at the copy bandwidth, and the FLOPs at the BF16 matmul rate (the
-kernel's MMAs are BF16), both measured in the same run; the FP8 matmul rate (``_scaled_mm`` at 8192^3) is printed
-too. Numerics are checked by the GPU tests (``tests/test_fp8_linear_sm90.py``), not here.
+kernel's MMAs are BF16), both measured in the same run; the FP8 matmul rate (``_scaled_mm`` at 8192^3) is measured
+too. Per token count the layer's line sums the path the runtime runs (:func:`runtime_path`) against the floor and
+against the FLOPs at the FP8 rate. Numerics are checked by the GPU tests (``tests/test_fp8_linear_sm90.py``), not
+here.
 
     python bench/fp8_linear_bench.py --preset flash-layer --prefill --json bench/results/fp8_linear_bench.json
 """
@@ -78,6 +80,29 @@ def variants(n: int, k: int, t: int, groups: int, sweep: bool) -> dict:
     if picked.row_tiles == 2:
         found["fp8_rt1"] = replace(picked, row_tiles=1, depth=fit_depth(k // K_TILE // picked.k_splits, 4))
     return {key: c for key, c in found.items() if Sm90Fp8Linear.can_implement(c)}
+
+
+def runtime_path(tokens: int) -> str:
+    """The row key of what ``sm90_fp8_linear`` runs for a call of ``tokens`` rows of the runtime's float32 x: the
+    kernel reading float32, the kernel on x cast to BF16, or the weight dequantised for cuBLAS."""
+    from nvfp4_megamoe.kernels.sm90_heuristics import fp8_kernel_pays, fp8_reads_f32_x
+
+    if not fp8_kernel_pays(tokens):
+        return "dequant_bf16"
+    return "fp8_x32" if fp8_reads_f32_x(tokens) else "fp8"
+
+
+def layer_summary(rows: list[dict], tokens: int, fp8_rate: float) -> dict:
+    """A layer's FP8 linears at ``tokens``: the time of the path the runtime runs (:func:`runtime_path`), against
+    the sum of the rows' floors and against their FLOPs at the FP8 matmul rate (the prefill goal's measure), and
+    the NVFP4 linears of the same shapes."""
+    sel = [r for r in rows if r["tokens"] == tokens]
+    path = runtime_path(tokens)
+    us = sum(r[path + "_us"] for r in sel)
+    floor = sum(r["floor_us"] for r in sel)
+    at_fp8_rate = sum(2 * r["tokens"] * r["groups"] * r["n"] * r["k"] for r in sel) / fp8_rate * 1e6
+    return dict(path=path, us=us, floor_us=floor, of_floor=floor / us, fp8_rate_us=at_fp8_rate,
+                of_fp8_rate=at_fp8_rate / us, nvfp4_us=sum(r.get("nvfp4_us", 0.0) for r in sel))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,10 +185,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{row.get('nvfp4_us', float('nan')):7.1f}; scaled_mm {row.get('scaled_mm_us', float('nan')):7.1f}; "
               f"reference {row.get('reference_us', float('nan')):8.1f}")
     for t in tokens:
-        sel = [r for r in rows_out if r["tokens"] == t]
-        got, floor = sum(r["fp8_us"] for r in sel), sum(r["floor_us"] for r in sel)
-        print(f"T={t}: a layer's FP8 linears {got:.1f} us, floor {floor:.1f} us ({floor / got:.1%}); NVFP4 "
-              f"{sum(r.get('nvfp4_us', 0) for r in sel):.1f} us")
+        got = layer_summary(rows_out, t, fp8_rate)
+        print(f"T={t}: a layer's FP8 linears as the runtime runs them ({got['path']}) {got['us']:.1f} us, floor "
+              f"{got['floor_us']:.1f} us ({got['of_floor']:.1%}), at the FP8 rate {got['fp8_rate_us']:.1f} us "
+              f"({got['of_fp8_rate']:.1%}); NVFP4 {got['nvfp4_us']:.1f} us")
     print(f"copy {copy_bw / 1e12:.2f} TB/s, BF16 matmul {bf16_rate / 1e12:.0f} TFLOP/s, FP8 matmul "
           f"{fp8_rate / 1e12:.0f} TFLOP/s")
     if args.json:
