@@ -34,18 +34,16 @@ def _check(shape: torch.Size, scale: torch.Tensor) -> None:
         raise ValueError(f"FP8 weight {tuple(shape)} needs block scales of shape {want}, got {tuple(scale.shape)}")
 
 
-def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
-                         ) -> torch.Tensor:
-    """FP8 E4M3 weight [out, in] (float8_e4m3fn or its uint8 bytes) and block scales -> ``dtype`` (float32, or BF16:
-    exact with E8M0 scales, as E4M3 values fit BF16 and the scales are powers of two)."""
+def fp8_block_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 E4M3 weight [out, in] (float8_e4m3fn or its uint8 bytes) and block scales -> float32."""
     w = weight.view(torch.float8_e4m3fn) if weight.dtype == torch.uint8 else weight
     _check(w.shape, scale)
     rows, cols = w.shape
-    values = block_scale_values(scale).to(dtype)
+    values = block_scale_values(scale)
     if rows % FP8_BLOCK or cols % FP8_BLOCK:
-        return w.to(dtype) * _expand(values, w.shape)
+        return w.float() * _expand(values, w.shape)
     # Whole blocks: broadcast each scale over its 128x128 tile instead of materialising them all.
-    tiles = w.to(dtype).view(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    tiles = w.float().view(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
     return tiles.mul_(values[:, None, :, None]).view(rows, cols)
 
 
