@@ -90,7 +90,7 @@ def jobs(every: bool) -> list[tuple]:
                                                              Sm90DecodeAttentionCombine)
     from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre
     from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Dequant, Sm90Fp8Linear
-    from nvfp4_megamoe.kernels.sm90_heuristics import fp8_linear_config, fp8_linear_token_counts
+    from nvfp4_megamoe.kernels.sm90_heuristics import fp8_linear_config, fp8_linear_token_counts, fp8_reads_f32_x
     from sm90_stand_ins import FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args
 
     found: dict[tuple, tuple] = {}
@@ -114,15 +114,16 @@ def jobs(every: bool) -> list[tuple]:
     for norm in (False, True):
         record(Sm90HcPre(hc=4, iters=20, hc_eps=1e-6, norm_eps=1e-6, norm=norm), hc_pre_args(4))
     record(Sm90HcPost(hc=4), hc_post_args(4))
-    # the FP8 linears: one configuration per register shape (token tile, row tiles, depth) V4's weights pick, and the
+    # the FP8 linears: one configuration per register shape (token tile, row tiles, depth, x's dtype) V4's weights
+    # pick with x as the runtime hands it (float32 where the kernel reads it so, else cast to BF16), and the
     # float32-scale and BF16-out forms of the decode one
     fp8_shapes: dict[tuple, object] = {}
     for n, k, groups in FP8_LINEAR_SHAPES:
         for tokens in fp8_linear_token_counts():
-            config = fp8_linear_config(n, k, tokens, groups=groups, x_f32=True)   # the runtime's float32 x
-            fp8_shapes.setdefault((config.tile_tokens, config.row_tiles, config.depth), config)
+            config = fp8_linear_config(n, k, tokens, groups=groups, x_f32=fp8_reads_f32_x(tokens))
+            fp8_shapes.setdefault((config.tile_tokens, config.row_tiles, config.depth, config.x_f32), config)
     for config in fp8_shapes.values():
-        record(Sm90Fp8Linear(config), fp8_linear_args(x_f32=True))
+        record(Sm90Fp8Linear(config), fp8_linear_args(x_f32=config.x_f32))
     decode = fp8_linear_config(1024, 4096, 1)
     record(Sm90Fp8Linear(decode), fp8_linear_args())
     record(Sm90Fp8Linear(replace(decode, scale_f32=True)), fp8_linear_args(scale_f32=True))
