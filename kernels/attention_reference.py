@@ -24,14 +24,23 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last ``2*cos.shape[-1]`` channels of ``x`` [..., D] pairwise; ``cos``/``sin`` broadcast over x[..., 0]."""
+    """Rotate the last ``2*cos.shape[-1]`` channels of ``x`` [..., D] pairwise; ``cos``/``sin`` broadcast over x[..., 0].
+
+    Each pair ``(a, b)`` is the complex number ``a + ib`` times ``cos + i sin`` (``a cos - b sin, a sin + b cos``):
+    one complex multiply instead of six float ones, a stack and a negation, which on the GPU are as many launches."""
     rd = 2 * cos.shape[-1]
     x = x.float()
-    pairs = x[..., -rd:].unflatten(-1, (-1, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    s = -sin if inverse else sin
-    rotated = torch.stack((a * cos - b * s, a * s + b * cos), dim=-1).flatten(-2)
+    turn = torch.complex(cos.float(), -sin.float() if inverse else sin.float())
+    rotated = torch.view_as_real(_as_complex(x[..., -rd:].unflatten(-1, (-1, 2))) * turn).flatten(-2)
     return torch.cat((x[..., :-rd], rotated), dim=-1)
+
+
+def _as_complex(pairs: torch.Tensor) -> torch.Tensor:
+    """float32 [..., 2] -> complex64 [...], a view where the layout allows one (pairs adjacent, every other stride and
+    the offset even), else of a contiguous copy."""
+    if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()
+    return torch.view_as_complex(pairs)
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor,
