@@ -24,14 +24,27 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last ``2*cos.shape[-1]`` channels of ``x`` [..., D] pairwise; ``cos``/``sin`` broadcast over x[..., 0]."""
+    """Rotate the last ``2*cos.shape[-1]`` channels of ``x`` [..., D] pairwise; ``cos``/``sin`` broadcast over x[..., 0].
+    Returns a new float32 tensor (:func:`apply_rope_` rotates a float32 tensor in place)."""
+    return apply_rope_(x.clone() if x.dtype == torch.float32 else x.float(), cos, sin, inverse=inverse)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """:func:`apply_rope` in place on a float32 ``x`` (returned), for callers that own it.
+
+    Each pair ``(a, b)`` is the complex number ``a + ib`` times ``cos + i sin`` (``a cos - b sin, a sin + b cos``):
+    one complex multiply of the rotated channels alone, where the float form is six multiplies and adds, a stack and
+    a concatenation of the whole row, each a launch on the GPU."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"apply_rope_ rotates float32 in place, got {x.dtype}")
     rd = 2 * cos.shape[-1]
-    x = x.float()
+    turn = torch.complex(cos.float(), -sin.float() if inverse else sin.float())
     pairs = x[..., -rd:].unflatten(-1, (-1, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    s = -sin if inverse else sin
-    rotated = torch.stack((a * cos - b * s, a * s + b * cos), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-rd], rotated), dim=-1)
+    if pairs.stride(-1) == 1 and pairs.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in pairs.stride()[:-1]):
+        torch.view_as_complex(pairs).mul_(turn)      # a complex view of x's own pairs
+    else:                                            # pairs no complex view can take: rotate a copy, write it back
+        pairs.copy_(torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * turn))
+    return x
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor,

@@ -64,7 +64,7 @@ class ChunkAttention:
                 ix = a.indexer
                 index_keys = self._compress(ix.compressor, h, st.indexer, freq)
                 iq = be.linear(qr, ix.wq_b).view(n, t, cfg.index_n_heads, cfg.index_head_dim)
-                iq = be.apply_rope(iq, cos[:, :, None], sin[:, :, None])
+                iq = be.apply_rope_(iq, cos[:, :, None], sin[:, :, None])   # in place: the linear's own output
                 if entries.shape[1]:  # else no entry is stored yet: the window alone
                     index = iq, index_keys.to(iq.dtype), be.linear(h, ix.weights_proj)
             else:  # HCA: every visible entry, as more masked keys
@@ -110,7 +110,7 @@ class ChunkAttention:
             if cs.overlap:
                 cs.prev_kv[rows], cs.prev_gate[rows] = last
             cos, sin = _entries_rope(be, ratio, torch.arange(first, first + closed, device=h.device), freq)
-            entries = be.apply_rope(be.rms_norm(pooled, cw.norm, self.cfg.rms_norm_eps), cos, sin)
+            entries = be.apply_rope_(be.rms_norm(pooled, cw.norm, self.cfg.rms_norm_eps), cos, sin)
             cs.store[rows, first:first + closed] = entries.to(cs.store.dtype)
         return cs.store[rows, :first + closed]
 
@@ -138,7 +138,7 @@ class StepAttention:
                 ix = a.indexer
                 self._compress(ix.compressor, h, st.indexer, freq)
                 iq = be.linear(qr[:, 0], ix.wq_b).view(b, cfg.index_n_heads, cfg.index_head_dim)
-                iq = be.apply_rope(iq, cos, sin)             # cos [B, 1, rd/2] over the index heads
+                iq = be.apply_rope_(iq, cos, sin)            # cos [B, 1, rd/2] over the index heads
                 indices = be.indexer_topk(iq, st.indexer.store, be.linear(h[:, 0], ix.weights_proj),
                                           cfg.index_topk, count)
             else:  # HCA: every valid entry, -1 past a slot's count (the store's rows are fixed)
@@ -166,5 +166,5 @@ class StepAttention:
             cs.prev_gate.copy_(torch.where(closes, last[1], cs.prev_gate))
         w = torch.div(pos, ratio, rounding_mode="floor")
         cos, sin = _entries_rope(be, ratio, w[:, None], freq)
-        entry = be.apply_rope(be.rms_norm(pooled, cw.norm, self.cfg.rms_norm_eps), cos, sin)
+        entry = be.apply_rope_(be.rms_norm(pooled, cw.norm, self.cfg.rms_norm_eps), cos, sin)
         cs.store.scatter_(1, w.view(b, 1, 1).expand(b, 1, entry.shape[-1]), entry.to(cs.store.dtype))

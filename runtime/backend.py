@@ -96,6 +96,7 @@ class ReferenceBackend:
     # -- attention ------------------------------------------------------------------------------
     rope_tables = staticmethod(attention_reference.rope_tables)
     apply_rope = staticmethod(attention_reference.apply_rope)
+    apply_rope_ = staticmethod(attention_reference.apply_rope_)   # in place: for tensors the caller made
     sink_attention = staticmethod(attention_reference.sink_attention)
     sink_attention_picked = staticmethod(attention_reference.sink_attention_picked)
     compress_windows = staticmethod(compressor_reference.compress_windows)

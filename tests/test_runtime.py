@@ -16,7 +16,8 @@ import torch
 
 from nvfp4_megamoe.runtime import Checkpoint, FormatError, ReferenceBackend, load_model
 from nvfp4_megamoe.runtime import checkpoint as checkpoint_module
-from nvfp4_megamoe.kernels.attention_reference import sink_attention, sink_attention_picked
+from nvfp4_megamoe.kernels.attention_reference import (apply_rope, apply_rope_, rope_tables, sink_attention,
+                                                      sink_attention_picked)
 from nvfp4_megamoe.kernels.indexer_reference import indexer_scores, select_topk, topk_in_blocks
 from nvfp4_megamoe.kernels.row_tiles import untile_rows
 from nvfp4_megamoe.kernels.router_reference import route_hash
@@ -369,6 +370,34 @@ def test_indexer_topk_in_blocks_picks_what_select_topk_picks(block):
     assert torch.equal((picked >= 0).sum(-1), want.sum(-1))   # no entry twice
     best = scores.gather(-1, picked.clamp(min=0)).masked_fill(picked < 0, float("-inf"))
     assert torch.equal(best, best.sort(-1, descending=True).values)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_rope_rotates_each_pair_by_its_angle(strided):
+    """The complex-multiply RoPE equals the pairwise formula written out (a cos - b sin, a sin + b cos) on the last
+    rd channels and leaves the rest; a strided input (a view with odd strides) gives the same; inverse undoes it; the
+    in-place form writes the same values into x."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 8, 2 * 97 if strided else 192, generator=gen)
+    if strided:
+        x = x[..., 1::2]                                   # [.., 97]: every stride odd, offset 1
+    cos, sin = rope_tables(torch.arange(10).view(2, 5) * 911, torch.rand(16, generator=gen))
+    c, s = cos[:, :, None], sin[:, :, None]
+    got = apply_rope(x, c, s)
+    a, b = x[..., -32:].unflatten(-1, (-1, 2)).unbind(-1)
+    want = torch.cat((x[..., :-32], torch.stack((a * c - b * s, a * s + b * c), -1).flatten(-2)), -1)
+    assert torch.equal(got[..., :-32], x[..., :-32])
+    assert rel_err(got, want) < 1e-6
+    assert rel_err(apply_rope(got, c, s, inverse=True), x) < 1e-6
+    base = torch.zeros(*x.shape[:-1], 2 * x.shape[-1])
+    mine, beside = (slice(1, None, 2), slice(0, None, 2)) if strided else (slice(0, x.shape[-1]),
+                                                                           slice(x.shape[-1], None))
+    own = base[..., mine]                                              # x's values in a buffer of its own
+    own.copy_(x)
+    assert apply_rope_(own, c, s) is own and torch.equal(own, got)     # in place: the same values, in x itself
+    assert not base[..., beside].any()                                 # and nothing beside them
+    with pytest.raises(TypeError, match="float32"):
+        apply_rope_(x.to(torch.bfloat16), c, s)
 
 
 def test_attention_over_picked_keys_equals_the_masked_dense_form():
