@@ -148,23 +148,7 @@ class StepAttention:
         return out[:, None]
 
     def _compress(self, cw: CompressorWeights, h, cs: CompressorState, freq) -> None:
-        """Put each slot's token in its open window; pool the window and write its entry to row
-        ``pos // ratio`` whether or not it closes now (only a closed window's row is ever read; an open one's
-        is overwritten when it closes); the overlap half moves on only where the window closes."""
-        be, pos, ratio = self.be, self.pos, cs.ratio
-        b = h.shape[0]
-        kv, gate = be.linear(h, cw.wkv), be.linear(h, cw.wgate)       # [B, 1, C] float32
-        slot = (pos % ratio).view(b, 1, 1).expand(b, 1, kv.shape[-1])
-        cs.pending_kv.scatter_(1, slot, kv.to(cs.pending_kv.dtype))
-        cs.pending_gate.scatter_(1, slot, gate.to(cs.pending_gate.dtype))
-        prev = (cs.prev_kv, cs.prev_gate) if cs.overlap else None
-        pooled, last = be.compress_windows(cs.pending_kv[:, None], cs.pending_gate[:, None], cw.ape,
-                                           overlap=cs.overlap, prev=prev)   # [B, 1, d]
-        if cs.overlap:
-            closes = (torch.remainder(pos + 1, ratio) == 0).view(b, 1, 1)
-            cs.prev_kv.copy_(torch.where(closes, last[0], cs.prev_kv))
-            cs.prev_gate.copy_(torch.where(closes, last[1], cs.prev_gate))
-        w = torch.div(pos, ratio, rounding_mode="floor")
-        cos, sin = _entries_rope(be, ratio, w[:, None], freq)
-        entry = be.apply_rope_(be.rms_norm(pooled, cw.norm, self.cfg.rms_norm_eps), cos, sin)
-        cs.store.scatter_(1, w.view(b, 1, 1).expand(b, 1, entry.shape[-1]), entry.to(cs.store.dtype))
+        """The slots' tokens into one compressor's state (:meth:`ReferenceBackend.compress_step`)."""
+        be, x = self.be, h[:, 0]
+        be.compress_step(be.linear(x, cw.wkv), be.linear(x, cw.wgate), cs, cw.ape, cw.norm, self.pos, freq,
+                         self.cfg.rms_norm_eps)

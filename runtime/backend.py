@@ -25,6 +25,7 @@ from nvfp4_megamoe.kernels.interleave import deinterleave_gate_up
 from nvfp4_megamoe.kernels.moe_reference import moe_reference
 from nvfp4_megamoe.kernels.nvfp4_reference import decode_weight, nvfp4_linear
 
+from .state import CompressorState
 from .weights import DenseLinear, Fp8Linear, Linear, MoEWeights, Nvfp4Linear
 
 
@@ -103,6 +104,31 @@ class ReferenceBackend:
     chunk_topk = staticmethod(indexer_reference.topk_in_blocks)
 
     # -- decode (one token per sequence): the operands the GPU decode kernels take ----------------
+    def compress_step(self, kv: torch.Tensor, gate: torch.Tensor, cs: CompressorState, ape: torch.Tensor,
+                      norm: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float) -> None:
+        """One token per slot into a compressor's state (``runtime/state.py``), in place: ``kv``, ``gate`` [B, C]
+        (the token's projections) go to slot ``positions % ratio`` of the open window; the window is pooled
+        (:meth:`compress_windows`, the overlap half ``prev`` too), RMS-normalised by ``norm`` (``eps``), rotated at
+        position ``(positions // ratio) * ratio`` and written to store row ``positions // ratio`` whether or not the
+        window closes now (only a closed window's row is ever read; an open one's is overwritten when it closes); the
+        overlap half moves on only where the window closes. ``positions`` int64 [B]: the tokens each slot held
+        before this one."""
+        pos, ratio, b = positions, cs.ratio, kv.shape[0]
+        slot = (pos % ratio).view(b, 1, 1).expand(b, 1, kv.shape[-1])
+        cs.pending_kv.scatter_(1, slot, kv[:, None].to(cs.pending_kv.dtype))
+        cs.pending_gate.scatter_(1, slot, gate[:, None].to(cs.pending_gate.dtype))
+        prev = (cs.prev_kv, cs.prev_gate) if cs.overlap else None
+        pooled, last = self.compress_windows(cs.pending_kv[:, None], cs.pending_gate[:, None], ape,
+                                             overlap=cs.overlap, prev=prev)   # [B, 1, d]
+        if cs.overlap:
+            closes = (torch.remainder(pos + 1, ratio) == 0).view(b, 1, 1)
+            cs.prev_kv.copy_(torch.where(closes, last[0], cs.prev_kv))
+            cs.prev_gate.copy_(torch.where(closes, last[1], cs.prev_gate))
+        w = torch.div(pos, ratio, rounding_mode="floor")
+        cos, sin = self.rope_tables(w[:, None] * ratio, inv_freq)
+        entry = self.apply_rope_(self.rms_norm(pooled, norm, eps), cos, sin)
+        cs.store.scatter_(1, w.view(b, 1, 1).expand(b, 1, entry.shape[-1]), entry.to(cs.store.dtype))
+
     def indexer_topk(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,
                      n_valid: torch.Tensor) -> torch.Tensor:
         """q [B, h, d], keys [B, N, d], weights [B, h], n_valid int [B] -> int32 [B, k] entry indices
