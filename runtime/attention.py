@@ -21,7 +21,7 @@ import torch
 
 from .config import ModelConfig
 from .state import CompressorState, LayerState
-from .weights import AttentionWeights, CompressorWeights
+from .weights import AttentionWeights, CompressorWeights, compressor_linears
 
 _NEG_INF = float("-inf")
 # A chunk's attention runs QUERY_BLOCK queries at a time, and the CSA indexer scores INDEX_KEY_BLOCK keys at a time:
@@ -58,15 +58,16 @@ class ChunkAttention:
 
         ratio, index = a.compress_ratio, None
         if ratio:
-            entries = self._compress(a.compressor, h, st.compressor, freq).to(keys.dtype)
+            proj = be.linears(h, compressor_linears(a))   # [n, T, C] each: kv, gate (, the indexer's kv, gate, weights)
+            entries = self._compress(a.compressor, proj[0], proj[1], st.compressor, freq).to(keys.dtype)
             n_visible = (positions + 1) // ratio    # entries query t may see
             if a.indexer is not None:  # CSA: the lightning indexer picks each query's top-k visible entries
                 ix = a.indexer
-                index_keys = self._compress(ix.compressor, h, st.indexer, freq)
+                index_keys = self._compress(ix.compressor, proj[2], proj[3], st.indexer, freq)
                 iq = be.linear(qr, ix.wq_b).view(n, t, cfg.index_n_heads, cfg.index_head_dim)
                 iq = be.apply_rope_(iq, cos[:, :, None], sin[:, :, None])   # in place: the linear's own output
                 if entries.shape[1]:  # else no entry is stored yet: the window alone
-                    index = iq, index_keys.to(iq.dtype), be.linear(h, ix.weights_proj)
+                    index = iq, index_keys.to(iq.dtype), proj[4]
             else:  # HCA: every visible entry, as more masked keys
                 visible = torch.arange(entries.shape[1], device=h.device)[None, :] < n_visible[:, None]
                 keys = torch.cat((keys, entries), dim=1)
@@ -89,14 +90,15 @@ class ChunkAttention:
             out[:, r] = be.sink_attention_picked(q[:, r], keys, block_bias, gathered, picked >= 0, a.sink, scale)
         return out   # [n, T, H, D]
 
-    def _compress(self, cw: CompressorWeights, h, cs: CompressorState, freq) -> torch.Tensor:
-        """Feed the chunk to a compressor: store the entries of the windows it closes, keep the open window's
-        projections pending; return every entry of these slots so far [n, count, d]."""
+    def _compress(self, cw: CompressorWeights, kv, gate, cs: CompressorState, freq) -> torch.Tensor:
+        """Feed the chunk's projections ``kv``, ``gate`` [n, T, C] to a compressor: store the entries of the windows
+        it closes, keep the open window's projections pending; return every entry of these slots so far
+        [n, count, d]."""
         be, rows, ratio = self.be, self.rows, cs.ratio
-        n = h.shape[0]
+        n = kv.shape[0]
         held = self.pos0 % ratio                  # the open window's tokens already pending
-        kv = torch.cat((cs.pending_kv[rows, :held], be.linear(h, cw.wkv)), dim=1)
-        gate = torch.cat((cs.pending_gate[rows, :held], be.linear(h, cw.wgate)), dim=1)
+        kv = torch.cat((cs.pending_kv[rows, :held], kv), dim=1)
+        gate = torch.cat((cs.pending_gate[rows, :held], gate), dim=1)
         closed = kv.shape[1] // ratio
         rest = kv.shape[1] - closed * ratio
         cs.pending_kv[rows, :rest] = kv[:, closed * ratio:]
@@ -109,7 +111,7 @@ class ChunkAttention:
                                                overlap=cs.overlap, prev=prev)
             if cs.overlap:
                 cs.prev_kv[rows], cs.prev_gate[rows] = last
-            cos, sin = _entries_rope(be, ratio, torch.arange(first, first + closed, device=h.device), freq)
+            cos, sin = _entries_rope(be, ratio, torch.arange(first, first + closed, device=kv.device), freq)
             entries = be.apply_rope_(be.rms_norm(pooled, cw.norm, self.cfg.rms_norm_eps), cos, sin)
             cs.store[rows, first:first + closed] = entries.to(cs.store.dtype)
         return cs.store[rows, :first + closed]
@@ -131,24 +133,23 @@ class StepAttention:
         ratio = a.compress_ratio
         if ratio:
             cs = st.compressor
-            self._compress(a.compressor, h, cs, freq)
+            proj = be.linears(h[:, 0], compressor_linears(a))   # [B, C]: kv, gate (, the indexer's kv, gate, weights)
+            self._compress(a.compressor, proj[0], proj[1], cs, freq)
             count = torch.div(pos + 1, ratio, rounding_mode="floor").to(torch.int32)  # closed windows, this one's too
             entries = cs.store
             if a.indexer is not None:  # CSA: the indexer's top-k of the valid keys (-1 padding)
                 ix = a.indexer
-                self._compress(ix.compressor, h, st.indexer, freq)
+                self._compress(ix.compressor, proj[2], proj[3], st.indexer, freq)
                 iq = be.linear(qr[:, 0], ix.wq_b).view(b, cfg.index_n_heads, cfg.index_head_dim)
                 iq = be.apply_rope_(iq, cos, sin)            # cos [B, 1, rd/2] over the index heads
-                indices = be.indexer_topk(iq, st.indexer.store, be.linear(h[:, 0], ix.weights_proj),
-                                          cfg.index_topk, count)
+                indices = be.indexer_topk(iq, st.indexer.store, proj[4], cfg.index_topk, count)
             else:  # HCA: every valid entry, -1 past a slot's count (the store's rows are fixed)
                 rows = torch.arange(cs.store.shape[1], dtype=torch.int32, device=h.device)[None]
                 indices = torch.where(rows < count[:, None], rows, -1)
         out = be.decode_attention(q[:, 0], st.window, window_len, entries, indices, a.sink, cfg.head_dim ** -0.5)
         return out[:, None]
 
-    def _compress(self, cw: CompressorWeights, h, cs: CompressorState, freq) -> None:
-        """The slots' tokens into one compressor's state (:meth:`ReferenceBackend.compress_step`)."""
-        be, x = self.be, h[:, 0]
-        be.compress_step(be.linear(x, cw.wkv), be.linear(x, cw.wgate), cs, cw.ape, cw.norm, self.pos, freq,
-                         self.cfg.rms_norm_eps)
+    def _compress(self, cw: CompressorWeights, kv, gate, cs: CompressorState, freq) -> None:
+        """The slots' projections ``kv``, ``gate`` [B, C] into one compressor's state
+        (:meth:`ReferenceBackend.compress_step`)."""
+        self.be.compress_step(kv, gate, cs, cw.ape, cw.norm, self.pos, freq, self.cfg.rms_norm_eps)

@@ -57,6 +57,11 @@ class ReferenceBackend:
             return x.float() @ w.weight.float().T
         raise TypeError(f"unknown linear weight {type(w).__name__}")
 
+    def linears(self, x: torch.Tensor, ws: tuple[Linear, ...]) -> list[torch.Tensor]:
+        """Several linears of one input (a group of ``weights.same_input_linears``): ``[linear(x, w) for w in ws]``,
+        which a backend may compute as one weight and hand back as views of its output's columns."""
+        return [self.linear(x, w) for w in ws]
+
     def grouped_linear(self, x: torch.Tensor, w: Linear, groups: int) -> torch.Tensor:
         """x [..., G, in_g], weight [G*out_g, in_g] -> [..., G, out_g] (group g uses rows g*out_g...)."""
         weight = decode_linear(w)
@@ -87,7 +92,7 @@ class ReferenceBackend:
             gate, up = deinterleave_gate_up(self.linear(x, w.w13).movedim(-1, 0))
             gate, up = gate.movedim(0, -1), up.movedim(0, -1)
         else:
-            gate, up = self.linear(x, w.w1), self.linear(x, w.w3)
+            gate, up = self.linears(x, (w.w1, w.w3))
         return self.linear(F.silu(gate) * up, w.w2)
 
     route_scores = staticmethod(router_reference.router_scores)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import ReferenceBackend
-from .weights import DenseLinear, Fp8Linear, Linear, MoEWeights, Nvfp4Linear
+from .weights import DenseLinear, Fp8Linear, Linear, ModelWeights, MoEWeights, Nvfp4Linear, same_input_linears
 
 # Largest token count one MoE kernel call takes; longer inputs are processed in chunks of it.
 MAX_MOE_TOKENS = 4096
@@ -80,6 +80,8 @@ class HopperBackend(ReferenceBackend):
         self._indexer_ready: set[tuple] = set()
         self._f32_weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id -> (weight, its float32 copy)
         self._fp8_scales_fit: dict[int, tuple[torch.Tensor, bool]] = {}        # id -> (FP8 block scales, taken?)
+        # ids of a group of one input's linears -> (the group's linears, one weight of them all, their widths)
+        self._fused: dict[tuple[int, ...], tuple[tuple[Linear, ...], Linear, list[int]]] = {}
         self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0, "hc_pre": 0,
                              "hc_post": 0}
         self.warmup_seconds: float | None = None
@@ -144,6 +146,35 @@ class HopperBackend(ReferenceBackend):
         out = sm90_nvfp4_linear(xb, w.weight, w.weight_scale, w.alpha, out_dtype=torch.float32)
         self.kernel_calls["linear"] += 1
         return out.view(*x.shape[:-1], n)
+
+    # -- linears of one input -----------------------------------------------------------------------------------
+    def linears(self, x: torch.Tensor, ws: tuple[Linear, ...]) -> list[torch.Tensor]:
+        """A group :meth:`fuse_same_input` made one weight of: one call, its output's columns handed back as views
+        (a decode step launches fewer, larger linears); any other group as the reference does it."""
+        hit = self._fused.get(tuple(id(w) for w in ws))
+        if hit is None or hit[0] != ws or not x.is_cuda:
+            return super().linears(x, ws)
+        _, weight, widths = hit
+        return list(self.linear(x, weight).split(widths, dim=-1))
+
+    def fuse_same_input(self, weights: ModelWeights) -> int:
+        """Make one weight of each group of ``weights.same_input_linears`` that :func:`fused_kind` allows; returns
+        how many. FP8 groups are concatenated (rows, and their block-scale rows) and their linears become views of
+        the result, so the model holds their bytes once; BF16 groups of small weights (which run against a float32
+        copy, ``F32_COPY_MAX_BYTES``) get one float32 copy of them all instead of one each."""
+        made = 0
+        for lw in weights.layers.values():
+            for group in same_input_linears(lw):
+                kind = fused_kind(group)
+                if kind is None or not group[0].weight.is_cuda:
+                    continue
+                if kind == "fp8":
+                    fused = _concat_fp8(group)
+                else:
+                    fused = DenseLinear(torch.cat([w.weight.float() for w in group]))
+                self._fused[tuple(id(w) for w in group)] = (group, fused, [w.out_features for w in group])
+                made += 1
+        return made
 
     def _bf16_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """A BF16 dense weight: the reference's float32 product with the weight's float32 copy made once, or past
@@ -353,6 +384,7 @@ class HopperBackend(ReferenceBackend):
         self.compile_report = []
         self.compiled_at_warmup = self._pending.wait(report=self.compile_report)
         self._pending = None
+        self.fuse_same_input(model.weights)
         t_kernels = time.perf_counter()
         # eager (T = 1 is a decode step): a graph captured here would be for a throwaway state, and each capture took
         # about 0.37 s of a warm load on the H200; a user's state captures its own at its first step
@@ -377,7 +409,13 @@ class HopperBackend(ReferenceBackend):
         for lw in layers:
             self._moe_layer(lw.moe, cfg.top_k, cfg.swiglu_limit, dev)
             a = lw.attn
-            for w in _kernel_linears(lw):
+            fused = [g for g in same_input_linears(lw) if fused_kind(g) == "fp8"]
+            for g in fused:   # the one weight fuse_same_input makes of them (in place of theirs)
+                w = g[0]
+                self._fp8_ready(Fp8Linear(w.weight.new_empty(sum(m.out_features for m in g), w.weight.shape[1]),
+                                          w.scale), 1, dev, shapes_only=True)
+            in_fused = {id(w) for g in fused for w in g}
+            for w in (w for w in _kernel_linears(lw) if id(w) not in in_fused):
                 groups = cfg.o_groups if w is a.wo_a else 1
                 if isinstance(w, Fp8Linear):
                     self._fp8_ready(w, groups, dev, shapes_only=True)
@@ -392,6 +430,47 @@ class HopperBackend(ReferenceBackend):
             sm90_decode_attention.warmup(modes, cfg.num_heads, cfg.head_dim ** -0.5, dev)
         if 4 in ratios:
             sm90_indexer.warmup(cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, dev)
+
+
+def fused_kind(group: tuple[Linear, ...]) -> str | None:
+    """How :meth:`HopperBackend.fuse_same_input` makes one weight of ``group`` (linears of one input), or None:
+    ``"fp8"`` for FP8 linears of one K, weight and scale dtype, each a whole number of 128-row scale blocks, whose
+    concatenation the FP8 kernel tiles; ``"f32"`` for BF16 weights of one K small enough to run against a float32 copy.
+    NVFP4 linears are not fused: each has its own global scale (``alpha``), which the kernel takes one of per call."""
+    from nvfp4_megamoe.kernels import sm90_fp8_linear
+
+    first = group[0]
+    k = first.weight.shape[1]
+    if len(group) < 2 or any(type(w) is not type(first) or w.weight.shape[1] != k
+                             or w.weight.dtype != first.weight.dtype for w in group):
+        return None
+    if isinstance(first, Fp8Linear):
+        rows = sum(w.out_features for w in group)
+        if (all(w.scale.dtype == first.scale.dtype and w.out_features % sm90_fp8_linear.SCALE_BLOCK == 0 for w in group)
+                and sm90_fp8_linear.can_implement(rows, k)):
+            return "fp8"
+        return None
+    if isinstance(first, DenseLinear) and first.weight.dtype == torch.bfloat16 and all(
+            w.weight.numel() * 4 <= F32_COPY_MAX_BYTES for w in group):
+        return "f32"
+    return None
+
+
+def _concat_fp8(group: tuple[Fp8Linear, ...]) -> Fp8Linear:
+    """One FP8 linear of ``group``'s rows (and block-scale rows) in order; each member's tensors become views of it
+    (its bytes are then held once)."""
+    def cat(ts: list[torch.Tensor]) -> torch.Tensor:   # one-byte dtypes (E4M3, E8M0) concatenated as their bytes
+        if ts[0].element_size() == 1:
+            return torch.cat([t.view(torch.uint8) for t in ts]).view(ts[0].dtype)
+        return torch.cat(ts)
+
+    fused = Fp8Linear(cat([w.weight for w in group]), cat([w.scale for w in group]))
+    row = block = 0
+    for w in group:
+        n, blocks = w.weight.shape[0], w.scale.shape[0]
+        w.weight, w.scale = fused.weight[row:row + n], fused.scale[block:block + blocks]
+        row, block = row + n, block + blocks
+    return fused
 
 
 def _kernel_linears(lw) -> list[Nvfp4Linear | Fp8Linear]:

@@ -163,6 +163,31 @@ class LayerWeights:
     moe: MoEWeights
 
 
+def same_input_linears(lw: LayerWeights) -> list[tuple[Linear, ...]]:
+    """The linears of a layer that read one input, in the groups the forward hands the backend at once
+    (``Backend.linears``), so that a backend may run a group as one weight: the attention's ``wq_a`` and ``wkv``
+    (the sublayer's normed input), a compressed layer's compressor ``wkv`` and ``wgate`` with, on CSA layers, the
+    indexer's compressor ``wkv`` and ``wgate`` and its ``weights_proj`` (the same input), and the shared expert's
+    ``w1`` and ``w3``."""
+    a, shared = lw.attn, lw.moe.shared
+    groups = [(a.wq_a, a.wkv), compressor_linears(a)]
+    if shared.w1 is not None:
+        groups.append((shared.w1, shared.w3))
+    return [g for g in groups if g]
+
+
+def compressor_linears(a: AttentionWeights) -> tuple[Linear, ...]:
+    """A compressed layer's linears of its normed input (empty on a sliding-window layer): the compressor's
+    ``wkv``, ``wgate``, then on CSA layers the indexer's compressor ``wkv``, ``wgate`` and ``weights_proj``."""
+    if a.compressor is None:
+        return ()
+    found = (a.compressor.wkv, a.compressor.wgate)
+    if a.indexer is not None:
+        ix = a.indexer
+        found += (ix.compressor.wkv, ix.compressor.wgate, ix.weights_proj)
+    return found
+
+
 @dataclass
 class ModelWeights:
     embed: torch.Tensor   # [V, H] as stored (BF16)

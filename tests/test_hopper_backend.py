@@ -75,3 +75,49 @@ def test_slot_softmax_on_the_last_axis_pools_as_the_reference(overlap):
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
     if overlap:
         assert all(torch.equal(g, r) for g, r in zip(got_last, ref_last))
+
+
+def _fp8(rows: int, k: int, gen: torch.Generator, scale_dtype=torch.uint8):
+    from nvfp4_megamoe.runtime.weights import Fp8Linear
+
+    w = torch.randint(0, 256, (rows, k), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    s = (torch.randint(120, 130, (rows // 128, k // 128), dtype=torch.uint8, generator=gen) if scale_dtype == torch.uint8
+         else torch.rand(rows // 128, k // 128, generator=gen))
+    return Fp8Linear(w, s)
+
+
+def test_linears_of_one_input_are_fused_only_where_one_weight_can_hold_them():
+    """FP8: same K and dtypes, whole 128-row scale blocks; BF16: small weights of one K; NVFP4 never (each has its
+    own alpha); mixed kinds never."""
+    from nvfp4_megamoe.runtime.hopper import fused_kind
+    from nvfp4_megamoe.runtime.weights import DenseLinear
+
+    gen = torch.Generator().manual_seed(1)
+    a, b = _fp8(256, 512, gen), _fp8(128, 512, gen)
+    assert fused_kind((a, b)) == "fp8"
+    assert fused_kind((a,)) is None
+    assert fused_kind((a, _fp8(128, 256, gen))) is None                         # another K
+    assert fused_kind((a, _fp8(128, 512, gen, torch.float32))) is None          # another scale dtype
+    dense = DenseLinear(torch.zeros(64, 512, dtype=torch.bfloat16))
+    assert fused_kind((dense, DenseLinear(torch.zeros(32, 512, dtype=torch.bfloat16)))) == "f32"
+    assert fused_kind((dense, DenseLinear(torch.zeros(32, 512)))) is None        # float32 and BF16
+    assert fused_kind((a, dense)) is None
+
+
+def test_fp8_linears_concatenated_keep_their_bytes_as_views_of_one_weight():
+    """The fused weight is the members' rows and block-scale rows in order, and each member now views it: the same
+    values, the bytes held once."""
+    from nvfp4_megamoe.runtime.hopper import _concat_fp8
+
+    gen = torch.Generator().manual_seed(2)
+    group = (_fp8(256, 512, gen), _fp8(128, 512, gen), _fp8(384, 512, gen))
+    before = [(w.weight.view(torch.uint8).clone(), w.scale.clone()) for w in group]
+    fused = _concat_fp8(group)
+    assert fused.weight.shape == (768, 512) and fused.scale.shape == (6, 4)
+    row = 0
+    for w, (weight, scale) in zip(group, before):
+        assert torch.equal(w.weight.view(torch.uint8), weight) and torch.equal(w.scale, scale)
+        assert w.weight.dtype == torch.float8_e4m3fn and w.weight.is_contiguous() and w.scale.is_contiguous()
+        assert w.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+        assert torch.equal(fused.weight[row:row + weight.shape[0]].view(torch.uint8), weight)
+        row += weight.shape[0]

@@ -416,3 +416,30 @@ def test_bf16_dense_linears_on_the_gpu_match_the_reference():
         assert got.dtype == torch.float32 and got.shape == (3, 2, w.weight.shape[0]) and torch.isfinite(got).all()
         assert rel_err(got, ref.linear(x, w)) < tol
     assert be._f32(small.weight) is be._f32(small.weight) and id(large.weight) not in be._f32_weights
+
+
+def test_linears_of_one_input_fused_match_each_alone(converted):
+    """The groups ``fuse_same_input`` makes one weight of (FP8 ``wq_a`` + ``wkv`` and shared ``w1`` + ``w3``, the
+    compressors' BF16 projections) give each member's output as its own linear does, on random input; each FP8
+    member's tensors become views of the fused weight."""
+    from nvfp4_megamoe.runtime.weights import Fp8Linear, same_input_linears
+
+    model = load_model(converted("flash"), device="cuda")   # warm-up fused the groups
+    be = model.backend
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    x = torch.randn(5, model.config.hidden_size, device="cuda", generator=gen)
+    kinds = set()
+    for lw in model.weights.layers.values():
+        for group in same_input_linears(lw):
+            hit = be._fused.get(tuple(id(w) for w in group))
+            if hit is None:
+                continue
+            kinds.add(type(group[0]).__name__)
+            outs = be.linears(x, group)
+            for w, got in zip(group, outs):
+                want = be.linear(x, w)
+                assert got.shape == want.shape and torch.isfinite(got).all()
+                assert rel_err(got, want) < 1e-5   # another N: another K split or GEMM algorithm
+                if isinstance(w, Fp8Linear):
+                    assert w.weight.untyped_storage().data_ptr() == hit[1].weight.untyped_storage().data_ptr()
+    assert kinds == {"Fp8Linear", "DenseLinear"}
