@@ -23,11 +23,6 @@ a relative 2**-9, finer than the per-128 FP8 quantisation of activations the off
 products are then normal floats and the epilogue multiplies by ``2**(120 - X_LOG2)``. Block scales must be at most
 ``2**63`` (:func:`scales_fit`; every real FP8 weight's are: its values would otherwise exceed ``448 * 2**63``).
 
-Launched with programmatic dependent launch (PDL): a CTA loads its first k-tiles of weights and their block scales,
-which no kernel writes, before it waits for the kernel before it (``griddepcontrol.wait``), and lets the next kernel
-launch at its start; a decode step's FP8 linears are short, and the weights' first DRAM round trip is most of what a
-launch adds to their bytes.
-
 Output: float32 or BF16 [T, G * N]; with ``k_splits`` > 1 (float32 only) each of the CTAs that share a tile's K adds
 its partial sums (``red.add``) into an output the caller zeroed. The configuration is an ``Fp8LinearConfig``
 (``sm90_config``) picked by ``sm90_heuristics.fp8_linear_config``; :meth:`Sm90Fp8Linear.can_implement` says whether
@@ -125,13 +120,10 @@ class Sm90Fp8Linear:
     def __call__(self, mW: cute.Tensor, mS: cute.Tensor, mX: cute.Tensor, mOut: cute.Tensor, stream):
         n_tiles = (mX.shape[0] + self.bn - 1) // self.bn
         self.kernel(mW, mS, mX, mOut).launch(grid=[self.n // self.bm, n_tiles, self.groups * self.k_splits],
-                                             block=[self.threads, 1, 1], stream=stream, use_pdl=True)
+                                             block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mS: cute.Tensor, mX: cute.Tensor, mOut: cute.Tensor):
-        # a kernel launched after this one with PDL may take SM slots from here on: it waits for this grid to finish
-        # before it reads what this one writes
-        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, bz = cute.arch.block_idx()
         group = bz // self.k_splits
@@ -170,9 +162,6 @@ class Sm90Fp8Linear:
         kt_last = kt0 + self.n_kt - 1
         for d in cutlass.range_constexpr(D):
             self.load_stage(mS, wbuf, mbuf, w_addr, scale_row, d, kt0 + d)
-        # launched with PDL: the weights' first k-tiles are on their way while the kernel before finishes; x, and the
-        # output a K split adds into (zeroed by the caller), are complete only from here
-        cute.arch.griddepcontrol_wait()
         if const_expr(self.x_ahead):
             self.load_x(xnext, x_addr, kt0)
 

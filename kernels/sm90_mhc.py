@@ -93,9 +93,6 @@ class Sm90HcPre:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mMM: cute.Tensor, mBase: cute.Tensor, mScale: cute.Tensor,
                mOut: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor, mWeight: cute.Tensor):
-        # the sublayer's first linear (the FP8 kernel, launched with PDL) may start streaming its weights now: it
-        # waits for this grid before it reads the output (one CTA a token: most of the GPU is idle meanwhile)
-        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         t, _, _ = cute.arch.block_idx()
         hc = self.hc
