@@ -31,6 +31,57 @@ QUERY_BLOCK = 256
 INDEX_KEY_BLOCK = 4096
 
 
+class PositionTables:
+    """What a call's layers derive from its positions alone, made at the first layer that asks and shared by the
+    rest: each is a few launches on the GPU, which a decode step of an L-layer model then makes once, not L times.
+    ``positions`` int64 [B or 1, T] on the device."""
+
+    def __init__(self, backend, positions: torch.Tensor):
+        self.be, self.positions = backend, positions
+        self._made: dict[tuple, object] = {}
+
+    def _once(self, key: tuple, make):
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+    def rope(self, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (cos, sin) [B or 1, T, rd/2] of the positions for the frequencies ``freq`` (the model's own tensor)."""
+        return self._once(("rope", id(freq)), lambda: self.be.rope_tables(self.positions, freq))
+
+
+class StepTables(PositionTables):
+    """:class:`PositionTables` of a decode step: slot b at ``pos[b]`` (int64 [B], the tokens it held before this
+    one), plus the step's ring slots, window lengths and entry counts."""
+
+    def __init__(self, backend, pos: torch.Tensor):
+        super().__init__(backend, pos[:, None])
+        self.pos = pos
+
+    def ring_slots(self, window: int, width: int) -> torch.Tensor:
+        """Index [B, 1, width] of each slot's ring row for this token (``pos % window``), for ``scatter_``."""
+        b = self.pos.shape[0]
+        return self._once(("ring", window, width),
+                          lambda: (self.pos % window).view(b, 1, 1).expand(b, 1, width))
+
+    def window_len(self, window: int) -> torch.Tensor:
+        """int32 [B]: the ring's valid slots, this token's included (a partly filled ring is a prefix)."""
+        return self._once(("window_len", window), lambda: torch.clamp(self.pos + 1, max=window).to(torch.int32))
+
+    def count(self, ratio: int) -> torch.Tensor:
+        """int32 [B]: the closed windows of ``ratio`` tokens, the one this token closes included."""
+        return self._once(("count", ratio),
+                          lambda: torch.div(self.pos + 1, ratio, rounding_mode="floor").to(torch.int32))
+
+    def every_entry(self, ratio: int, rows: int) -> torch.Tensor:
+        """int32 [B, rows]: each of a store's ``rows`` entry indices where valid, -1 past the slot's count (HCA
+        attends every valid entry; the store's rows are fixed)."""
+        def make():
+            index = torch.arange(rows, dtype=torch.int32, device=self.pos.device)[None]
+            return torch.where(index < self.count(ratio)[:, None], index, -1)
+        return self._once(("every", ratio, rows), make)
+
+
 def _entries_rope(be, ratio: int, windows: torch.Tensor, freq: torch.Tensor):
     """RoPE tables of entries ``windows`` (entry w sits at position w * ratio)."""
     return be.rope_tables(windows * ratio, freq)
@@ -118,24 +169,24 @@ class ChunkAttention:
 
 
 class StepAttention:
-    """One token of every slot of one layer's state, slot b at ``positions[b]`` (int64 [B] on the device,
-    the tokens held before this one)."""
+    """One token of every slot of one layer's state, slot b at ``tables.pos[b]`` (the step's
+    :class:`StepTables`, shared by its layers)."""
 
-    def __init__(self, backend, config: ModelConfig, st: LayerState, positions: torch.Tensor):
-        self.be, self.cfg, self.st, self.pos = backend, config, st, positions
+    def __init__(self, backend, config: ModelConfig, st: LayerState, tables: StepTables):
+        self.be, self.cfg, self.st, self.tables, self.pos = backend, config, st, tables, tables.pos
 
     def __call__(self, a: AttentionWeights, h, qr, q, kv, freq, cos, sin):
-        be, cfg, st, pos = self.be, self.cfg, self.st, self.pos
+        be, cfg, st, tables = self.be, self.cfg, self.st, self.tables
         b, window = q.shape[0], cfg.sliding_window
-        st.window.scatter_(1, (pos % window).view(b, 1, 1).expand(b, 1, kv.shape[-1]), kv.to(st.window.dtype))
-        window_len = torch.clamp(pos + 1, max=window).to(torch.int32)   # a partly filled ring is a prefix
+        st.window.scatter_(1, tables.ring_slots(window, kv.shape[-1]), kv.to(st.window.dtype))
+        window_len = tables.window_len(window)
         entries = indices = None
         ratio = a.compress_ratio
         if ratio:
             cs = st.compressor
             proj = be.linears(h[:, 0], compressor_linears(a))   # [B, C]: kv, gate (, the indexer's kv, gate, weights)
             self._compress(a.compressor, proj[0], proj[1], cs, freq)
-            count = torch.div(pos + 1, ratio, rounding_mode="floor").to(torch.int32)  # closed windows, this one's too
+            count = tables.count(ratio)
             entries = cs.store
             if a.indexer is not None:  # CSA: the indexer's top-k of the valid keys (-1 padding)
                 ix = a.indexer
@@ -143,9 +194,8 @@ class StepAttention:
                 iq = be.linear(qr[:, 0], ix.wq_b).view(b, cfg.index_n_heads, cfg.index_head_dim)
                 iq = be.apply_rope_(iq, cos, sin)            # cos [B, 1, rd/2] over the index heads
                 indices = be.indexer_topk(iq, st.indexer.store, proj[4], cfg.index_topk, count)
-            else:  # HCA: every valid entry, -1 past a slot's count (the store's rows are fixed)
-                rows = torch.arange(cs.store.shape[1], dtype=torch.int32, device=h.device)[None]
-                indices = torch.where(rows < count[:, None], rows, -1)
+            else:  # HCA: every valid entry
+                indices = tables.every_entry(ratio, cs.store.shape[1])
         out = be.decode_attention(q[:, 0], st.window, window_len, entries, indices, a.sink, cfg.head_dim ** -0.5)
         return out[:, None]
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from nvfp4_megamoe.errors import InputError
 
-from .attention import ChunkAttention, StepAttention
+from .attention import ChunkAttention, PositionTables, StepAttention, StepTables
 from .backend import ReferenceBackend
 from .hopper import HopperBackend, hopper_available
 from .checkpoint import Checkpoint
@@ -252,9 +252,10 @@ class Model:
         idx = torch.tensor(rows, device=self.device)
         positions = torch.arange(pos0, pos0 + t, device=self.device)
         streams = F.embedding(input_ids, w.embed).float().unsqueeze(2).expand(n, t, cfg.hc_mult, cfg.hidden_size)
+        tables = PositionTables(self.backend, positions[None])
         for i in self.layer_indices:
             attend = ChunkAttention(self.backend, cfg, state.layers[i], idx, positions, pos0)
-            streams = self._layer(w.layers[i], streams, input_ids, positions[None], attend)
+            streams = self._layer(w.layers[i], streams, input_ids, tables, attend)
         state.positions.index_fill_(0, idx, pos0 + t)
         state.advance(rows, t)
         return self._head(streams[:, -1:] if last_only else streams)
@@ -281,10 +282,10 @@ class Model:
         b = token_ids.shape[0]
         ids = token_ids[:, None]
         streams = F.embedding(ids, w.embed).float().unsqueeze(2).expand(b, 1, cfg.hc_mult, cfg.hidden_size)
-        pos = state.positions[:, None]
+        tables = StepTables(self.backend, state.positions)   # what every layer derives from the positions, made once
         for i in self.layer_indices:
-            attend = StepAttention(self.backend, cfg, state.layers[i], state.positions)
-            streams = self._layer(w.layers[i], streams, ids, pos, attend)
+            attend = StepAttention(self.backend, cfg, state.layers[i], tables)
+            streams = self._layer(w.layers[i], streams, ids, tables, attend)
         logits = self._head(streams)[:, 0]
         state.positions.add_(1)
         return logits
@@ -294,13 +295,13 @@ class Model:
         cfg = self.config
         return dict(iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
 
-    def _layer(self, lw: LayerWeights, streams, input_ids, positions, attend):
+    def _layer(self, lw: LayerWeights, streams, input_ids, tables: PositionTables, attend):
         """One decoder layer: mHC, norm, attention (``attend``: the chunk's or the step's core), mHC; then the FFN half."""
         be = self.backend
         # the sublayer's norm within hc_pre (its norm eps is the model's rms_norm_eps): one launch on the GPU
         x, post, comb = be.hc_pre(streams, lw.hc_attn.fn, lw.hc_attn.base, lw.hc_attn.scale,
                                   norm_weight=lw.attn_norm, **self._hc_kw())
-        out = self._attention(lw, x, positions, attend)
+        out = self._attention(lw, x, tables, attend)
         streams = be.hc_post(out, streams, post, comb)
         return self._ffn_half(lw, streams, input_ids)
 
@@ -318,14 +319,14 @@ class Model:
                        hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
         return be.linear(be.rms_norm(h, w.norm, cfg.rms_norm_eps), w.head)
 
-    def _attention(self, lw: LayerWeights, h, positions, attend):
-        """Projections, RoPE and output of the attention sublayer; ``positions`` [B or 1, T] on the device;
+    def _attention(self, lw: LayerWeights, h, tables: PositionTables, attend):
+        """Projections, RoPE and output of the attention sublayer; ``tables`` the call's positions' RoPE tables;
         ``attend(a, h, qr, q, kv, freq)`` the core over the decode state."""
         be, cfg, a = self.backend, self.config, lw.attn
         b, t, _ = h.shape
         eps = cfg.rms_norm_eps
         freq = self._freq_compress if a.compress_ratio else self._freq_main
-        cos, sin = be.rope_tables(positions, freq)              # [B or 1, T, rd/2]
+        cos, sin = tables.rope(freq)                            # [B or 1, T, rd/2]
         q_low, kv = be.linears(h, (a.wq_a, a.wkv))              # one input: a backend may run them as one weight
         qr = be.rms_norm(q_low, a.q_norm, eps)                  # [B, T, q_lora]
         q = be.rms_norm(be.linear(qr, a.wq_b).view(b, t, cfg.num_heads, cfg.head_dim), None, eps)

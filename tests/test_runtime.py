@@ -472,3 +472,30 @@ def test_reference_ops_on_cuda_match_cpu(checkpoints):
     cpu, gpu = load_model(out), load_model(out, device="cuda", backend=ReferenceBackend())
     ids = ids_for(cpu, 0, tokens=64)
     assert rel_err(gpu(ids).cpu(), cpu(ids)) < 1e-4
+
+
+def test_a_steps_position_tables_are_made_once_and_hold_the_formulas():
+    """What every layer of a step derives from the positions (RoPE tables, ring slots, window lengths, entry counts,
+    HCA's entry indices) is made at the first layer that asks and handed to the rest as the same tensor."""
+    from nvfp4_megamoe.runtime.attention import StepTables
+    from nvfp4_megamoe.runtime.backend import ReferenceBackend
+
+    class Counting(ReferenceBackend):
+        calls = 0
+
+        def rope_tables(self, positions, inv_freq):
+            Counting.calls += 1
+            return super().rope_tables(positions, inv_freq)
+
+    pos = torch.tensor([0, 3, 7, 130])
+    tables = StepTables(Counting(), pos)
+    freq = torch.rand(4)
+    cos, sin = tables.rope(freq)
+    assert tables.rope(freq)[0] is cos and Counting.calls == 1
+    torch.testing.assert_close(cos, torch.cos(pos[:, None, None].float() * freq), rtol=0, atol=0)
+    assert tables.window_len(128) is tables.window_len(128)
+    assert tables.window_len(128).tolist() == [1, 4, 8, 128]
+    assert tables.count(4).tolist() == [0, 1, 2, 32] and tables.count(4).dtype == torch.int32
+    assert tables.ring_slots(128, 3)[:, 0, 0].tolist() == [0, 3, 7, 2]
+    every = tables.every_entry(4, 3)
+    assert every.tolist() == [[-1, -1, -1], [0, -1, -1], [0, 1, -1], [0, 1, 2]]
