@@ -30,15 +30,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-    """:func:`apply_rope` in place on a float32 ``x`` (returned), for callers that own it.
+    """:func:`apply_rope` in place on a float32 ``x`` (returned), for callers that own it: :func:`rotate_` by
+    :func:`rope_turn`."""
+    return rotate_(x, rope_turn(cos, sin, inverse=inverse))
 
-    Each pair ``(a, b)`` is the complex number ``a + ib`` times ``cos + i sin`` (``a cos - b sin, a sin + b cos``):
-    one complex multiply of the rotated channels alone, where the float form is six multiplies and adds, a stack and
-    a concatenation of the whole row, each a launch on the GPU."""
+
+def rope_turn(cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """The rotation of each pair as one complex number, ``cos + i sin`` (``cos - i sin``: ``inverse``), complex64."""
+    return torch.complex(cos.float(), -sin.float() if inverse else sin.float())
+
+
+def rotate_(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
+    """Rotate the last ``2 * turn.shape[-1]`` channels of a float32 ``x`` in place (returned) by :func:`rope_turn`'s
+    ``turn`` (broadcast over x's pairs).
+
+    Each pair ``(a, b)`` is the complex number ``a + ib`` times the turn (``a cos - b sin, a sin + b cos``): one
+    complex multiply of the rotated channels alone, where the float form is six multiplies and adds, a stack and a
+    concatenation of the whole row, each a launch on the GPU."""
     if x.dtype != torch.float32:
-        raise TypeError(f"apply_rope_ rotates float32 in place, got {x.dtype}")
-    rd = 2 * cos.shape[-1]
-    turn = torch.complex(cos.float(), -sin.float() if inverse else sin.float())
+        raise TypeError(f"RoPE rotates float32 in place, got {x.dtype}")
+    rd = 2 * turn.shape[-1]
     pairs = x[..., -rd:].unflatten(-1, (-1, 2))
     if pairs.stride(-1) == 1 and pairs.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in pairs.stride()[:-1]):
         torch.view_as_complex(pairs).mul_(turn)      # a complex view of x's own pairs

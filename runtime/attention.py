@@ -10,9 +10,10 @@ sees, and the state writes that go with it. Two forms, one semantics (docs/deeps
   per-slot ``n_valid``, and ``decode_attention`` over the operands the GPU kernel takes. Fixed shapes, no host
   read of a device value, writes in place: capturable in a CUDA graph.
 
-Both are called as ``core(a, h, qr, q, kv, freq, cos, sin)`` by :meth:`Model._attention` with the layer's
+Both are called as ``core(a, h, qr, q, kv, freq, turn)`` by :meth:`Model._attention` with the layer's
 attention weights, its normed input ``h`` [B, T, hidden], the query's low-rank ``qr``, the rotated query ``q``
-[B, T, H, D] and key ``kv`` [B, T, D], and return the attention output [B, T, H, D] (before the inverse RoPE).
+[B, T, H, D] and key ``kv`` [B, T, D] (``turn``: their RoPE rotation, ``PositionTables.turn``), and return the
+attention output [B, T, H, D] (before the inverse RoPE).
 """
 
 from __future__ import annotations
@@ -45,9 +46,13 @@ class PositionTables:
             self._made[key] = make()
         return self._made[key]
 
-    def rope(self, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE (cos, sin) [B or 1, T, rd/2] of the positions for the frequencies ``freq`` (the model's own tensor)."""
-        return self._once(("rope", id(freq)), lambda: self.be.rope_tables(self.positions, freq))
+    def turn(self, freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """RoPE's rotation (``Backend.rope_turn``, complex [B or 1, T, rd/2]) of the positions for the frequencies
+        ``freq`` (the model's own tensor), or its inverse."""
+        def make():
+            cos, sin = self._once(("rope", id(freq)), lambda: self.be.rope_tables(self.positions, freq))
+            return self.be.rope_turn(cos, sin, inverse=inverse)
+        return self._once(("turn", id(freq), inverse), make)
 
 
 class StepTables(PositionTables):
@@ -95,7 +100,7 @@ class ChunkAttention:
                  pos0: int):
         self.be, self.cfg, self.st, self.rows, self.positions, self.pos0 = backend, config, st, rows, positions, pos0
 
-    def __call__(self, a: AttentionWeights, h, qr, q, kv, freq, cos, sin):
+    def __call__(self, a: AttentionWeights, h, qr, q, kv, freq, turn):
         be, cfg, st, rows, positions, pos0 = self.be, self.cfg, self.st, self.rows, self.positions, self.pos0
         n, t = q.shape[:2]
         # Sliding window: the ring holds positions [pos0 - W, pos0); query p sees keys (p - W, p].
@@ -116,7 +121,7 @@ class ChunkAttention:
                 ix = a.indexer
                 index_keys = self._compress(ix.compressor, proj[2], proj[3], st.indexer, freq)
                 iq = be.linear(qr, ix.wq_b).view(n, t, cfg.index_n_heads, cfg.index_head_dim)
-                iq = be.apply_rope_(iq, cos[:, :, None], sin[:, :, None])   # in place: the linear's own output
+                iq = be.rotate_(iq, turn[:, :, None])   # in place: the linear's own output
                 if entries.shape[1]:  # else no entry is stored yet: the window alone
                     index = iq, index_keys.to(iq.dtype), proj[4]
             else:  # HCA: every visible entry, as more masked keys
@@ -175,7 +180,7 @@ class StepAttention:
     def __init__(self, backend, config: ModelConfig, st: LayerState, tables: StepTables):
         self.be, self.cfg, self.st, self.tables, self.pos = backend, config, st, tables, tables.pos
 
-    def __call__(self, a: AttentionWeights, h, qr, q, kv, freq, cos, sin):
+    def __call__(self, a: AttentionWeights, h, qr, q, kv, freq, turn):
         be, cfg, st, tables = self.be, self.cfg, self.st, self.tables
         b, window = q.shape[0], cfg.sliding_window
         st.window.scatter_(1, tables.ring_slots(window, kv.shape[-1]), kv.to(st.window.dtype))
@@ -192,7 +197,7 @@ class StepAttention:
                 ix = a.indexer
                 self._compress(ix.compressor, proj[2], proj[3], st.indexer, freq)
                 iq = be.linear(qr[:, 0], ix.wq_b).view(b, cfg.index_n_heads, cfg.index_head_dim)
-                iq = be.apply_rope_(iq, cos, sin)            # cos [B, 1, rd/2] over the index heads
+                iq = be.rotate_(iq, turn)                    # turn [B, 1, rd/2] over the index heads
                 indices = be.indexer_topk(iq, st.indexer.store, proj[4], cfg.index_topk, count)
             else:  # HCA: every valid entry
                 indices = tables.every_entry(ratio, cs.store.shape[1])

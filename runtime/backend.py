@@ -103,6 +103,8 @@ class ReferenceBackend:
     rope_tables = staticmethod(attention_reference.rope_tables)
     apply_rope = staticmethod(attention_reference.apply_rope)
     apply_rope_ = staticmethod(attention_reference.apply_rope_)   # in place: for tensors the caller made
+    rope_turn = staticmethod(attention_reference.rope_turn)
+    rotate_ = staticmethod(attention_reference.rotate_)           # by a rope_turn, in place
     sink_attention = staticmethod(attention_reference.sink_attention)
     sink_attention_picked = staticmethod(attention_reference.sink_attention_picked)
     compress_windows = staticmethod(compressor_reference.compress_windows)

@@ -226,12 +226,15 @@ class HopperBackend(ReferenceBackend):
         if layer is None:
             return super().moe(x, ids, weights, experts, swiglu_limit)
         start, stop = experts.expert_range
-        # Pairs routed to experts this rank does not hold get weight 0 (and a valid local id), so the
-        # kernels' shapes and workspaces stay fixed: no host sync, graph-capturable.
-        local = ids - start
-        held = (local >= 0) & (local < stop - start)
-        local_ids = torch.where(held, local, torch.zeros_like(local)).to(torch.int32).contiguous()
-        local_w = torch.where(held, weights.float(), torch.zeros_like(weights, dtype=torch.float32)).contiguous()
+        if (start, stop) == (0, experts.n_experts):   # every expert held: the ids are local as they are
+            local_ids, local_w = ids.to(torch.int32).contiguous(), weights.float().contiguous()
+        else:
+            # Pairs routed to experts this rank does not hold get weight 0 (and a valid local id), so the
+            # kernels' shapes and workspaces stay fixed: no host sync, graph-capturable.
+            local = ids - start
+            held = (local >= 0) & (local < stop - start)
+            local_ids = torch.where(held, local, torch.zeros_like(local)).to(torch.int32).contiguous()
+            local_w = torch.where(held, weights.float(), torch.zeros_like(weights, dtype=torch.float32)).contiguous()
         xb = x.to(torch.bfloat16).contiguous()
         out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         args = dict(w13=experts.w13, w13_scale=experts.w13_scale, w13_alpha=experts.w13_alpha,

@@ -326,14 +326,14 @@ class Model:
         b, t, _ = h.shape
         eps = cfg.rms_norm_eps
         freq = self._freq_compress if a.compress_ratio else self._freq_main
-        cos, sin = tables.rope(freq)                            # [B or 1, T, rd/2]
+        turn = tables.turn(freq)                                # [B or 1, T, rd/2]
         q_low, kv = be.linears(h, (a.wq_a, a.wkv))              # one input: a backend may run them as one weight
         qr = be.rms_norm(q_low, a.q_norm, eps)                  # [B, T, q_lora]
         q = be.rms_norm(be.linear(qr, a.wq_b).view(b, t, cfg.num_heads, cfg.head_dim), None, eps)
-        q = be.apply_rope_(q, cos[:, :, None], sin[:, :, None])        # in place: the norm's own output
-        kv = be.apply_rope_(be.rms_norm(kv, a.kv_norm, eps), cos, sin)  # [B, T, D]
-        out = attend(a, h, qr, q, kv, freq, cos, sin)
-        out = be.apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True)
+        q = be.rotate_(q, turn[:, :, None])                      # in place: the norm's own output
+        kv = be.rotate_(be.rms_norm(kv, a.kv_norm, eps), turn)  # [B, T, D]
+        out = attend(a, h, qr, q, kv, freq, turn).float()       # float32 already: the core's own output
+        out = be.rotate_(out, tables.turn(freq, inverse=True)[:, :, None])
         out = be.grouped_linear(out.reshape(b, t, cfg.o_groups, -1), a.wo_a, cfg.o_groups)
         return be.linear(out.flatten(2), a.wo_b)
 

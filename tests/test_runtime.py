@@ -475,7 +475,7 @@ def test_reference_ops_on_cuda_match_cpu(checkpoints):
 
 
 def test_a_steps_position_tables_are_made_once_and_hold_the_formulas():
-    """What every layer of a step derives from the positions (RoPE tables, ring slots, window lengths, entry counts,
+    """What every layer of a step derives from the positions (RoPE rotations, ring slots, window lengths, entry counts,
     HCA's entry indices) is made at the first layer that asks and handed to the rest as the same tensor."""
     from nvfp4_megamoe.runtime.attention import StepTables
     from nvfp4_megamoe.runtime.backend import ReferenceBackend
@@ -490,9 +490,12 @@ def test_a_steps_position_tables_are_made_once_and_hold_the_formulas():
     pos = torch.tensor([0, 3, 7, 130])
     tables = StepTables(Counting(), pos)
     freq = torch.rand(4)
-    cos, sin = tables.rope(freq)
-    assert tables.rope(freq)[0] is cos and Counting.calls == 1
-    torch.testing.assert_close(cos, torch.cos(pos[:, None, None].float() * freq), rtol=0, atol=0)
+    turn = tables.turn(freq)
+    assert tables.turn(freq) is turn and Counting.calls == 1
+    angle = pos[:, None, None].float() * freq
+    torch.testing.assert_close(turn, torch.complex(torch.cos(angle), torch.sin(angle)), rtol=0, atol=0)
+    back = tables.turn(freq, inverse=True)
+    assert Counting.calls == 1 and torch.equal(back, turn.conj())
     assert tables.window_len(128) is tables.window_len(128)
     assert tables.window_len(128).tolist() == [1, 4, 8, 128]
     assert tables.count(4).tolist() == [0, 1, 2, 32] and tables.count(4).dtype == torch.int32
