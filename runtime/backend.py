@@ -99,6 +99,17 @@ class ReferenceBackend:
     route_topk = staticmethod(router_reference.route_topk)
     route_hash = staticmethod(router_reference.route_hash)
 
+    def route(self, logits: torch.Tensor, func: str, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+              token_ids: torch.Tensor, k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router after its linear, in one op (so that a backend may run it as one kernel): ``logits`` [T, E]
+        -> scores (``func``), then the experts of ``tid2eid[token_ids]`` (hash layers: ``tid2eid`` given) or the
+        top ``k`` of scores + ``bias``; -> (ids [T, k] int64, weights [T, k] float32, ``route_topk`` /
+        ``route_hash``)."""
+        scores = self.route_scores(logits, func)
+        if tid2eid is not None:
+            return self.route_hash(scores, tid2eid, token_ids, scaling)
+        return self.route_topk(scores, bias, k, scaling)
+
     # -- attention ------------------------------------------------------------------------------
     rope_tables = staticmethod(attention_reference.rope_tables)
     apply_rope = staticmethod(attention_reference.apply_rope)

@@ -341,11 +341,8 @@ class Model:
         be, cfg, m = self.backend, self.config, lw.moe
         b, t, d = h.shape
         x = h.reshape(-1, d)
-        scores = be.route_scores(be.linear(x, m.gate), cfg.scoring_func)
-        if m.is_hash:
-            ids, weights = be.route_hash(scores, m.tid2eid, input_ids.reshape(-1), cfg.routed_scaling_factor)
-        else:
-            ids, weights = be.route_topk(scores, m.bias, cfg.top_k, cfg.routed_scaling_factor)
+        ids, weights = be.route(be.linear(x, m.gate), cfg.scoring_func, m.bias, m.tid2eid, input_ids.reshape(-1),
+                                cfg.top_k, cfg.routed_scaling_factor)
         out = be.moe(x, ids, weights, m, cfg.swiglu_limit) + be.shared_expert(x, m.shared)
         return out.view(b, t, d)
 
