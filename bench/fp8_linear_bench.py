@@ -1,8 +1,8 @@
 """The dense FP8 linears of a layer against their floor, beside the NVFP4 linear and torch's FP8 GEMM.
 
 Every dense linear of a V4 layer that the official releases store in FP8 (``--preset``: the shapes of
-``flash-layer`` or ``pro-layer``; the shared expert's w1 and w3 apart, as the source has them), at T = 1, 8, 32,
-64, 128 tokens (``--prefill``: also 2048):
+``flash-layer`` or ``pro-layer``; ``wq_a`` with ``wkv``, and the shared expert's w1 with w3, each one weight, as the
+runtime calls them), at T = 1, 8, 32, 64, 128 tokens (``--prefill``: also 2048):
 
 * ``fp8``: ``sm90_fp8_linear`` as the heuristics pick it (``fp8_linear_config``), x BF16; ``fp8_x32`` the same
   reading float32 x (the runtime's activations; calls of up to ``sm90_heuristics.fp8_reads_f32_x`` tokens run it);
@@ -39,17 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def fp8_shapes(preset: str) -> list[tuple[str, int, int, int]]:
-    """(name, N, K, groups) of the FP8 linears of a layer of ``preset`` (``linear_bench``'s shapes, the shared
-    expert's w1 and w3 apart, no head: the releases keep it BF16)."""
+    """(name, N, K, groups) of the FP8 linears of a layer of ``preset`` as the runtime calls them: ``linear_bench``'s
+    shapes with ``wq_a`` and ``wkv`` one weight, as the shared expert's w1 and w3 are (``HopperBackend.linears``:
+    one input), no head (the releases keep it BF16)."""
     from linear_bench import dense_shapes
 
-    found = []
-    for name, n, k, groups in dense_shapes(preset):
-        if name == "shared w13":
-            found += [("shared w1", n // 2, k, 1), ("shared w3", n // 2, k, 1)]
-        elif name != "head":
-            found.append((name, n, k, groups))
-    return found
+    shapes = {name: (n, k, groups) for name, n, k, groups in dense_shapes(preset) if name != "head"}
+    (qa, k, _), (kv, _, _) = shapes.pop("wq_a"), shapes.pop("wkv")
+    names = {"shared w13": "shared w1 + w3"}
+    return [("wq_a + wkv", qa + kv, k, 1)] + [(names.get(name, name), *shape) for name, shape in shapes.items()]
 
 
 def measure_fp8_matmul() -> float:
