@@ -1,4 +1,5 @@
-"""Static configurations of the SM90 NVFP4 GEMMs and of the MoE layer: what a compiled kernel is specialised on.
+"""Static configurations of the SM90 NVFP4 GEMMs, of the MoE layer and of the decode compressor step: what a
+compiled kernel is specialised on.
 
 Frozen dataclasses, so a configuration is a value: it keys the compile cache (``cute_host``), it prints as what it
 is, and a kernel object cannot drift from it. ``sm90_heuristics`` builds them from the layer shape and the token
@@ -154,6 +155,31 @@ class GemmConfig:
     problem: GemmProblem
     tiling: Tiling
 
+
+
+@dataclass(frozen=True)
+class CompressStepConfig:
+    """One compiled decode-step compressor update (``sm90_compressor``): what a CSA, indexer or HCA compressor is.
+
+    Attributes:
+        ratio: tokens per window (V4: 4 for CSA and its indexer, 128 for HCA).
+        dim: d, the width of a compressed entry (V4: 512, the indexer's 128); one thread per channel.
+        overlap: CSA: an entry pools the previous window's first half too, and the projections are C = 2d wide;
+            HCA: C = d.
+        rope_dim: the last ``rope_dim`` channels of an entry are rotated (V4: 64).
+        eps: the RMSNorm's epsilon (``rms_norm_eps``).
+    """
+
+    ratio: int
+    dim: int
+    overlap: bool
+    rope_dim: int
+    eps: float
+
+    @property
+    def width(self) -> int:
+        """C, the channels of a token's kv and gate projections."""
+        return 2 * self.dim if self.overlap else self.dim
 
 @dataclass(frozen=True)
 class MoeShape:

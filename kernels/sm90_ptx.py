@@ -11,6 +11,8 @@ Decode attention (``sm90_decode_attention``): ``cp.async.cg`` 16-byte gathers wi
 ``wgmma`` with both operands in shared memory and with a transposed (MN-major) B, shared/global scalar
 and vector I/O, distributed shared memory reads across a cluster (``mapa``), ``ex2.approx``.
 
+Compressor step (``sm90_compressor``): the cos and sin of a RoPE angle, accurate for large positions.
+
 Shared memory is addressed by 32-bit ``.shared`` addresses, global memory by 64-bit generic
 addresses. Every helper is a pure function of 32-bit registers (``Int32``) or ``Float32`` values
 unless it stores or copies.
@@ -408,3 +410,64 @@ def ex2(x: Float32, *, loc=None, ip=None) -> Float32:
     """``ex2.approx.ftz.f32`` (2**-inf = 0)."""
     return Float32(llvm.inline_asm(T.f32(), [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
                                    has_side_effects=False, loc=loc, ip=ip))
+
+
+# --- compressor step (``sm90_compressor``): RoPE angles of large positions ---
+
+# sinf / cosf on [-pi/4, pi/4] (Cephes' single-precision minimax polynomials in z = r * r)
+_SIN_POLY = ("0fB94CA1F9", "0f3C08839E", "0fBE2AAAA3")   # -1.9515295891e-4, 8.3321608736e-3, -1.6666654611e-1
+_COS_POLY = ("0f37CCF5CE", "0fBAB6061A", "0f3D2AAAA5")   # 2.443315711809948e-5, -1.388731625493765e-3, 4.16666457e-2
+
+
+def rope_cos_sin(position: Int64, inv_freq: Float32, *, loc=None, ip=None) -> tuple[Float32, Float32]:
+    """(cos, sin) of the angle ``float32(position) * inv_freq`` rounded as torch rounds it (``rope_tables``: int64 to
+    float32, then one float32 product, no fused multiply-add), accurate for large angles.
+
+    ``sin.approx`` loses about 2**-21 absolutely at |x| = pi and more beyond, and libdevice's ``sinf`` reduces an
+    argument past 105615 through a local-memory array (a stack frame in every kernel that calls it). Here the angle
+    is reduced in float64 (Hopper runs it at full rate for a handful of instructions): ``q = rint(x * 2/pi)``,
+    ``r = x - q * pi/2`` with pi/2 as two doubles and fused products (about 1e-16 absolutely for any ``q`` that fits
+    an int32), then sin and cos of ``r`` by polynomials in float32, and the quadrant ``q mod 4`` swaps and negates
+    them. Within 1.5 ulp of the true values and 6e-8 absolutely of torch's (an emulation of these instructions
+    against mpmath, V4's compressed-layer frequencies at random positions up to 2**21)."""
+    res = llvm.inline_asm(
+        _struct(2, "f32"), [Int64(position).ir_value(loc=loc, ip=ip), _f32(inv_freq, loc, ip)],
+        "{\n"
+        ".reg .f64 xd, t, kd, rd;\n"
+        ".reg .f32 x, r, z, w, ps, pc, s, c, sx, cx, ns;\n"
+        ".reg .b32 q, qb;\n"
+        ".reg .pred odd, neg;\n"
+        "cvt.rn.f32.s64 x, $2;\n"
+        "mul.rn.f32 x, x, $3;\n"
+        "cvt.f64.f32 xd, x;\n"
+        "mul.rn.f64 t, xd, 0d3FE45F306DC9C883;\n"            # 2 / pi
+        "cvt.rni.s32.f64 q, t;\n"
+        "cvt.rn.f64.s32 kd, q;\n"
+        "fma.rn.f64 rd, kd, 0dBFF921FB54442D18, xd;\n"        # - pi/2, the double nearest
+        "fma.rn.f64 rd, kd, 0dBC91A62633145C07, rd;\n"        # - (pi/2 - that double)
+        "cvt.rn.f32.f64 r, rd;\n"
+        "mul.rn.f32 z, r, r;\n"
+        f"fma.rn.f32 ps, z, {_SIN_POLY[0]}, {_SIN_POLY[1]};\n"
+        f"fma.rn.f32 ps, ps, z, {_SIN_POLY[2]};\n"
+        "mul.rn.f32 ps, ps, z;\n"
+        "fma.rn.f32 s, ps, r, r;\n"                           # r + r^3 p(z)
+        f"fma.rn.f32 pc, z, {_COS_POLY[0]}, {_COS_POLY[1]};\n"
+        f"fma.rn.f32 pc, pc, z, {_COS_POLY[2]};\n"
+        "mul.rn.f32 w, z, z;\n"
+        "mul.rn.f32 pc, pc, w;\n"
+        "fma.rn.f32 c, z, 0fBF000000, 0f3F800000;\n"          # 1 - z / 2
+        "add.rn.f32 c, c, pc;\n"                              # + z^2 p(z)
+        "and.b32 qb, q, 1;\n"
+        "setp.ne.b32 odd, qb, 0;\n"
+        "and.b32 qb, q, 2;\n"
+        "setp.ne.b32 neg, qb, 0;\n"
+        "neg.f32 ns, s;\n"
+        "selp.f32 sx, c, s, odd;\n"                           # q odd: sin x = cos r, cos x = -sin r
+        "selp.f32 cx, ns, c, odd;\n"
+        "neg.f32 s, sx;\n"
+        "neg.f32 c, cx;\n"
+        "selp.f32 $1, s, sx, neg;\n"                          # q = 2, 3 (mod 4): both negated
+        "selp.f32 $0, c, cx, neg;\n"
+        "}",
+        "=f,=f,l,f", has_side_effects=False, loc=loc, ip=ip)
+    return _unpack(res, 2, T.f32(), Float32, loc, ip)

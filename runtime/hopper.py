@@ -23,7 +23,10 @@ the PyTorch references everywhere else.
 * RMSNorm: the reference's float32 formula as one ``F.rms_norm`` launch, each weight's float32 copy made once.
 * BF16 dense linears: small ones (compressor, router, indexer ``weights_proj``) against a float32 copy made once, the
   head in BF16 with float32 accumulation and out; the compressors' softmax over the window's slots as a last-axis
-  softmax.
+  softmax (prefill chunks);
+* a decode step's compressor update (``compress_step``: the token into the pending window, the pooling, RMSNorm,
+  RoPE, the BF16 entry and the overlap half): :func:`~nvfp4_megamoe.kernels.sm90_compressor.sm90_compress_step`, one
+  launch per compressor for every slot instead of about 20 torch calls.
 
 Each op asks its kernel's ``can_implement`` and runs the reference where the answer is no: this module is the
 one place that chooses between a kernel and the reference.
@@ -41,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import ReferenceBackend
+from .state import CompressorState
 from .weights import DenseLinear, Fp8Linear, Linear, ModelWeights, MoEWeights, Nvfp4Linear, same_input_linears
 
 # Largest token count one MoE kernel call takes; longer inputs are processed in chunks of it.
@@ -83,7 +87,7 @@ class HopperBackend(ReferenceBackend):
         # ids of a group of one input's linears -> (the group's linears, one weight of them all, their widths)
         self._fused: dict[tuple[int, ...], tuple[tuple[Linear, ...], Linear, list[int]]] = {}
         self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0, "hc_pre": 0,
-                             "hc_post": 0}
+                             "hc_post": 0, "compress_step": 0}
         self.warmup_seconds: float | None = None
         self.compiled_at_warmup: int | None = None  # kernels the last warm-up compiled (not found in a cache)
         self.compile_report: list = []  # the last warm-up's worker compiles (``compile_workers.Compiled``)
@@ -254,6 +258,23 @@ class HopperBackend(ReferenceBackend):
 
         return compress_windows(kv, gate, ape, overlap=overlap, prev=prev, slot_softmax_last=kv.is_cuda)
 
+    def compress_step(self, kv: torch.Tensor, gate: torch.Tensor, cs: CompressorState, ape: torch.Tensor,
+                      norm: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float) -> None:
+        """The reference's update in one launch (``sm90_compressor``) where the kernel takes it: CUDA operands, the
+        BF16 store this backend keeps, int64 positions and float32 projections, ``ape`` and frequencies."""
+        from nvfp4_megamoe.kernels.sm90_compressor import Sm90CompressStep, sm90_compress_step
+
+        config = _compress_config(cs.ratio, cs.store.shape[-1], cs.overlap, inv_freq.numel(), eps)
+        ape = self._f32(ape)   # a BF16 ape (the format allows it): its float32 copy, made once
+        fits = (kv.is_cuda and cs.store.dtype == torch.bfloat16 and positions.dtype == torch.int64
+                and all(t.dtype == torch.float32 for t in (kv, gate, ape, inv_freq))
+                and kv.stride(-1) == 1 and gate.stride(-1) == 1 and Sm90CompressStep.can_implement(config))
+        if not fits:
+            return super().compress_step(kv, gate, cs, ape, norm, positions, inv_freq, eps)
+        sm90_compress_step(kv, gate, cs.pending_kv, cs.pending_gate, cs.prev_kv, cs.prev_gate, cs.store, ape,
+                           self._f32(norm), positions, inv_freq, cs.ratio, eps)
+        self.kernel_calls["compress_step"] += 1
+
     # -- RMSNorm --------------------------------------------------------------------------------------------------
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """The reference's formula in float32 through ``F.rms_norm`` (one fused launch on CUDA instead of five),
@@ -406,7 +427,7 @@ class HopperBackend(ReferenceBackend):
 
     def _warm_shapes(self, cfg, weights, dev: torch.device) -> None:
         """Ask every kernel family for what these weights need (inside ``cute_host.collecting``: nothing compiles)."""
-        from nvfp4_megamoe.kernels import sm90_decode_attention, sm90_indexer, sm90_mhc
+        from nvfp4_megamoe.kernels import sm90_compressor, sm90_decode_attention, sm90_indexer, sm90_mhc
 
         layers = weights.layers.values()
         for lw in layers:
@@ -433,6 +454,26 @@ class HopperBackend(ReferenceBackend):
             sm90_decode_attention.warmup(modes, cfg.num_heads, cfg.head_dim ** -0.5, dev)
         if 4 in ratios:
             sm90_indexer.warmup(cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, dev)
+        rope_pairs = cfg.compress_rope.dim // 2
+        steps = []   # each compressor's shape (CSA layers: the indexer's too), as ``compress_step`` launches it
+        for lw in layers:
+            a = lw.attn
+            if not a.compress_ratio:
+                continue
+            compressors = [a.compressor] + ([a.indexer.compressor] if a.indexer is not None else [])
+            for cw in compressors:
+                ratio, width = cw.ape.shape
+                d = cw.norm.shape[-1]
+                steps.append(_compress_config(ratio, d, width == 2 * d, rope_pairs, cfg.rms_norm_eps))
+        sm90_compressor.warmup([c for c in steps if sm90_compressor.Sm90CompressStep.can_implement(c)], dev)
+
+
+def _compress_config(ratio: int, dim: int, overlap: bool, rope_pairs: int, eps: float):
+    """The compressor step kernel's configuration for a compressor of these shapes (``rope_pairs``: the entries of
+    ``inv_freq``)."""
+    from nvfp4_megamoe.kernels.sm90_config import CompressStepConfig
+
+    return CompressStepConfig(ratio=ratio, dim=dim, overlap=overlap, rope_dim=2 * rope_pairs, eps=float(eps))
 
 
 def fused_kind(group: tuple[Linear, ...]) -> str | None:

@@ -1,7 +1,7 @@
 """Compile, for sm_90a (no GPU), the kernel configurations the runtime can launch for V4-Flash and V4-Pro: the MoE
 plans a layer can pick (weights row-major and in row tiles), decode attention in its three modes with the clusters
-``pick_cluster`` chooses and the combine kernel, the indexer's score and sort kernels, and the mHC weights; print, as
-JSON, each kernel's registers per thread and stack frame bytes (spills) read from its cubin.
+``pick_cluster`` chooses and the combine kernel, the indexer's score and sort kernels, the mHC weights and the
+compressor step; print, as JSON, each kernel's registers per thread and stack frame bytes (spills) read from its cubin.
 
 ``--all`` compiles every configuration; without it, one GEMM (and one routing kernel) per configuration that differs
 only in its token tile (the widest tile, whose accumulators take the most registers) and every other kernel. ``--jobs N`` compiles in N
@@ -89,6 +89,8 @@ def jobs(every: bool) -> list[tuple]:
     from nvfp4_megamoe.kernels.sm90_decode_attention import (CLUSTERS, Sm90DecodeAttention,
                                                              Sm90DecodeAttentionCombine)
     from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre
+    from nvfp4_megamoe.kernels.sm90_compressor import Sm90CompressStep, stand_in_operands as compressor_operands
+    from nvfp4_megamoe.kernels.sm90_config import CompressStepConfig
     from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Dequant, Sm90Fp8Linear
     from nvfp4_megamoe.kernels.sm90_heuristics import fp8_linear_config, fp8_linear_token_counts, fp8_reads_f32_x
     from sm90_stand_ins import FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args
@@ -114,6 +116,10 @@ def jobs(every: bool) -> list[tuple]:
     for norm in (False, True):
         record(Sm90HcPre(hc=4, iters=20, hc_eps=1e-6, norm_eps=1e-6, norm=norm), hc_pre_args(4))
     record(Sm90HcPost(hc=4), hc_post_args(4))
+    # the decode step's compressor update: V4's CSA compressor, its indexer's, and HCA's
+    for ratio, dim, overlap in ((4, 512, True), (4, 128, True), (128, 512, False)):
+        config = CompressStepConfig(ratio=ratio, dim=dim, overlap=overlap, rope_dim=64, eps=1e-6)
+        record(Sm90CompressStep(config), compressor_operands(config, "cpu"))
     # the FP8 linears: one configuration per register shape (token tile, row tiles, depth, x's dtype) V4's weights
     # pick with x as the runtime hands it (float32 where the kernel reads it so, else cast to BF16), and the
     # float32-scale and BF16-out forms of the decode one
