@@ -11,6 +11,9 @@ the PyTorch references everywhere else.
   compiled at the first call; BF16 query and keys;
 * the decode state (ring, compressed entries, indexer keys) is kept in BF16 (``state_dtype``), the
   dtype these kernels read, so no step converts it;
+* the router after its linear (``route``): :func:`~nvfp4_megamoe.kernels.sm90_router.sm90_route`, one launch (a warp a
+  token) for the scores, the biased top-k or the hash layer's experts and the renormalised weights (about ten torch
+  launches a layer); every scoring function, E up to 512, k up to 32;
 * mHC before each sublayer (``hc_pre``): :func:`~nvfp4_megamoe.kernels.sm90_mhc.sm90_hc_pre`, the product by
   ``fn`` and one launch for the RMS norm, the sigmoids, softmax and Sinkhorn rounds, the collapse and the
   sublayer's own RMSNorm (about 160 torch calls per reference ``hc_pre``, and the norm's launch);
@@ -87,7 +90,7 @@ class HopperBackend(ReferenceBackend):
         # ids of a group of one input's linears -> (the group's linears, one weight of them all, their widths)
         self._fused: dict[tuple[int, ...], tuple[tuple[Linear, ...], Linear, list[int]]] = {}
         self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0, "hc_pre": 0,
-                             "hc_post": 0, "compress_step": 0}
+                             "hc_post": 0, "compress_step": 0, "route": 0}
         self.warmup_seconds: float | None = None
         self.compiled_at_warmup: int | None = None  # kernels the last warm-up compiled (not found in a cache)
         self.compile_report: list = []  # the last warm-up's worker compiles (``compile_workers.Compiled``)
@@ -248,6 +251,20 @@ class HopperBackend(ReferenceBackend):
             layer(xb[s:e], local_ids[s:e], local_w[s:e], **args, out=out[s:e])
         self.kernel_calls["moe"] += 1
         return out
+
+    # -- router ---------------------------------------------------------------------------------------------------
+    def route(self, logits: torch.Tensor, func: str, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+              token_ids: torch.Tensor, k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's ``route`` in one launch (``kernels/sm90_router.py``) where the kernels take the shape: ids
+        int64 [T, k] in descending order of the (biased) scores, ties to the lower expert, and float32 weights."""
+        from nvfp4_megamoe.kernels import sm90_router
+
+        if not (logits.is_cuda and logits.dim() == 2 and sm90_router.can_implement(logits.shape[-1], k, func)
+                and (tid2eid is None or (tid2eid.is_cuda and tid2eid.dim() == 2 and tid2eid.shape[1] == k
+                                         and tid2eid.dtype in sm90_router.INDEX_DTYPES))):
+            return super().route(logits, func, bias, tid2eid, token_ids, k, scaling)
+        self.kernel_calls["route"] += 1
+        return sm90_router.sm90_route(logits, func, bias, tid2eid, token_ids.reshape(-1), k, scaling)
 
     # -- compressor ------------------------------------------------------------------------------------------------
     def compress_windows(self, kv: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor, *, overlap: bool,
@@ -427,9 +444,17 @@ class HopperBackend(ReferenceBackend):
 
     def _warm_shapes(self, cfg, weights, dev: torch.device) -> None:
         """Ask every kernel family for what these weights need (inside ``cute_host.collecting``: nothing compiles)."""
-        from nvfp4_megamoe.kernels import sm90_compressor, sm90_decode_attention, sm90_indexer, sm90_mhc
+        from nvfp4_megamoe.kernels import sm90_compressor, sm90_decode_attention, sm90_indexer, sm90_mhc, sm90_router
 
         layers = weights.layers.values()
+        # the router: one kernel per layer kind (top-k with or without a bias; hash, per tid2eid dtype)
+        if sm90_router.can_implement(cfg.n_routed_experts, cfg.top_k, cfg.scoring_func):
+            kinds = {(lw.moe.tid2eid is not None, lw.moe.bias is not None,
+                      lw.moe.tid2eid.dtype if lw.moe.tid2eid is not None else None) for lw in layers}
+            for hashed, bias, dtype in sorted(kinds, key=repr):
+                config = sm90_router.RouterConfig(cfg.n_routed_experts, cfg.top_k, cfg.scoring_func,
+                                                  float(cfg.routed_scaling_factor), bias=bias and not hashed)
+                sm90_router.warmup(config, dev, hashed=hashed, tid2eid_dtype=dtype or torch.int64)
         for lw in layers:
             self._moe_layer(lw.moe, cfg.top_k, cfg.swiglu_limit, dev)
             a = lw.attn

@@ -1,7 +1,8 @@
 """Compile, for sm_90a (no GPU), the kernel configurations the runtime can launch for V4-Flash and V4-Pro: the MoE
 plans a layer can pick (weights row-major and in row tiles), decode attention in its three modes with the clusters
-``pick_cluster`` chooses and the combine kernel, the indexer's score and sort kernels, the mHC weights and the
-compressor step; print, as JSON, each kernel's registers per thread and stack frame bytes (spills) read from its cubin.
+``pick_cluster`` chooses and the combine kernel, the indexer's score and sort kernels, the mHC weights, the
+compressor step and the router; print, as JSON, each kernel's registers per thread and stack frame bytes (spills) read
+from its cubin.
 
 ``--all`` compiles every configuration; without it, one GEMM (and one routing kernel) per configuration that differs
 only in its token tile (the widest tile, whose accumulators take the most registers) and every other kernel. ``--jobs N`` compiles in N
@@ -84,13 +85,14 @@ def _tile_rank(op) -> tuple[int, int]:
 
 def jobs(every: bool) -> list[tuple]:
     """(op, operands) of every kernel to compile, in a fixed order (each worker rebuilds the same list)."""
-    from nvfp4_megamoe.kernels import cute_host, sm90_indexer, sm90_moe
+    from nvfp4_megamoe.kernels import cute_host, sm90_indexer, sm90_moe, sm90_router
     from nvfp4_megamoe.kernels.sm90_config import MoeShape
     from nvfp4_megamoe.kernels.sm90_decode_attention import (CLUSTERS, Sm90DecodeAttention,
                                                              Sm90DecodeAttentionCombine)
     from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre
     from nvfp4_megamoe.kernels.sm90_compressor import Sm90CompressStep, stand_in_operands as compressor_operands
     from nvfp4_megamoe.kernels.sm90_config import CompressStepConfig
+    from nvfp4_megamoe.kernels.sm90_router import RouterConfig
     from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Dequant, Sm90Fp8Linear
     from nvfp4_megamoe.kernels.sm90_heuristics import fp8_linear_config, fp8_linear_token_counts, fp8_reads_f32_x
     from sm90_stand_ins import FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args
@@ -120,6 +122,14 @@ def jobs(every: bool) -> list[tuple]:
     for ratio, dim, overlap in ((4, 512, True), (4, 128, True), (128, 512, False)):
         config = CompressStepConfig(ratio=ratio, dim=dim, overlap=overlap, rope_dim=64, eps=1e-6)
         record(Sm90CompressStep(config), compressor_operands(config, "cpu"))
+    # the router: V4's top-k (with its bias) and hash kernels, and the widest softmax one (16 logits a lane, 32 slots)
+    with cute_host.collecting() as routers:
+        for (_, _, e), scaling in zip(MODELS, (1.5, 2.5)):
+            sm90_router.warmup(RouterConfig(e, 6, "sqrtsoftplus", scaling, bias=True), "cpu")
+            sm90_router.warmup(RouterConfig(e, 6, "sqrtsoftplus", scaling), "cpu", hashed=True)
+        sm90_router.warmup(RouterConfig(512, 32, "softmax", 1.0, bias=True), "cpu")
+    for op, tensors in routers:
+        record(op, tensors)
     # the FP8 linears: one configuration per register shape (token tile, row tiles, depth, x's dtype) V4's weights
     # pick with x as the runtime hands it (float32 where the kernel reads it so, else cast to BF16), and the
     # float32-scale and BF16-out forms of the decode one
