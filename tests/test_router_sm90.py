@@ -124,7 +124,11 @@ def _check_topk(logits, func, bias, k, got_ids, got_w, rtol):
         clear = (ranked[:, k - 1] - ranked[:, k]) > 1e-5 * (1 + ranked[:, k - 1].abs())
     else:
         clear = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
-    assert clear.float().mean() > 0.9
+    # random logits leave few near-ties: most tokens are compared as sets (at least one even at 1-7 tokens) ...
+    assert int(clear.sum()) >= max(1, (3 * clear.numel()) // 4)
+    # ... and every token's picks are among its top-k up to the near-tie margin
+    picked = choice.gather(-1, got_ids).min(-1).values
+    assert (picked >= ranked[:, k - 1] - 1e-5 * (1 + ranked[:, k - 1].abs())).all()
     got_sorted, order = got_ids.sort(-1)
     want_sorted, want_order = want_ids.sort(-1)
     assert torch.equal(got_sorted[clear], want_sorted[clear])

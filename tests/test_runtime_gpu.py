@@ -99,29 +99,37 @@ def _route_to(route_topk, ids: torch.Tensor, scores, bias, k, scaling):
     return got, weights
 
 
+def _topk_route_to(backend, ids: torch.Tensor, logits, func, bias, k, scaling):
+    """``Backend.route`` of a top-k layer made to pick the experts ``ids``: the weights from this run's scores."""
+    return _route_to(backend.route_topk, ids, backend.route_scores(logits, func), bias, k, scaling)
+
+
 class SharedRouting:
-    """The reference model takes the kernel model's routed-expert choices (``route_topk``, call by call:
-    run the kernel model first), so that a router near-tie which BF16 rounding flips does not become a
+    """The reference model takes the kernel model's routed-expert choices (``route`` of the top-k layers, call by
+    call: run the kernel model first), so that a router near-tie which BF16 rounding flips does not become a
     different expert, which on a random synthetic model is a different token's logits. Counts the
-    choices where the reference alone would have picked other experts."""
+    choices where the reference alone would have picked other experts. Hash layers choose by token id: as they are."""
 
     def __init__(self, fast, slow):
         self.pending, self.flips, self.calls = [], 0, 0
-        fast_inner, slow_inner = fast.backend.route_topk, slow.backend.route_topk
+        fast_inner, slow_inner = fast.backend.route, slow.backend.route
 
-        def fast_route(scores, bias, k, scaling):
-            ids, weights = fast_inner(scores, bias, k, scaling)
-            self.pending.append(ids)
+        def fast_route(logits, func, bias, tid2eid, token_ids, k, scaling):
+            ids, weights = fast_inner(logits, func, bias, tid2eid, token_ids, k, scaling)
+            if tid2eid is None:
+                self.pending.append(ids)
             return ids, weights
 
-        def slow_route(scores, bias, k, scaling):
+        def slow_route(logits, func, bias, tid2eid, token_ids, k, scaling):
+            if tid2eid is not None:
+                return slow_inner(logits, func, bias, tid2eid, token_ids, k, scaling)
             ids = self.pending.pop(0)
-            own, _ = slow_inner(scores, bias, k, scaling)
+            own, _ = slow_inner(logits, func, bias, None, token_ids, k, scaling)
             self.calls += 1
             self.flips += int(not _same_experts(own, ids))
-            return _route_to(slow_inner, ids, scores, bias, k, scaling)
+            return _topk_route_to(slow.backend, ids, logits, func, bias, k, scaling)
 
-        fast.backend.route_topk, slow.backend.route_topk = fast_route, slow_route
+        fast.backend.route, slow.backend.route = fast_route, slow_route
 
 
 @pytest.mark.parametrize("variant,dense,target", [("flash", "keep", "sm100"), ("modelopt", "keep", "sm100"),
@@ -228,7 +236,7 @@ class RowDecisions:
     Recording: set ``tag`` (the calls go under it). Forcing: ``force(entries)`` with (tag, row) pairs, the row
     taken from a decode step's [B, ...] choices (None: the whole choice, as in a prompt's own prefill)."""
 
-    NAMES = ("route_topk", "indexer_topk", "chunk_topk")
+    NAMES = ("route", "indexer_topk", "chunk_topk")
 
     def __init__(self, model):
         self.backend, self.log, self.tag, self.queue = model.backend, {}, None, None
@@ -242,6 +250,8 @@ class RowDecisions:
 
     def _call(self, name, *args):
         own = self.inner[name](*args)
+        if name == "route" and args[3] is not None:   # a hash layer: chosen by token id, not a decision
+            return own
         if self.queue is None:
             if self.tag is not None:
                 self.log.setdefault(self.tag, []).append((name, own))
@@ -249,10 +259,11 @@ class RowDecisions:
         want_name, out, row = self.queue.pop(0)
         assert want_name == name, (want_name, name)
         self.calls += 1
-        if name == "route_topk":
+        if name == "route":
             ids = (out[0] if row is None else out[0][row:row + 1]).long()
             self.flips += int(not _same_experts(own[0], ids))
-            return _route_to(self.inner[name], ids, *args)
+            logits, func, bias, _, _, k, scaling = args
+            return _topk_route_to(self.backend, ids, logits, func, bias, k, scaling)
         want = out if row is None else out[row:row + 1]
         self.flips += int(not torch.equal(own, want))
         return want
