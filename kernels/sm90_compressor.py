@@ -12,21 +12,44 @@ channels ``d + c``); where the window closes (``s == ratio - 1``) this window's 
 into ``prev``. ``ape`` f32 [ratio, C], the RMSNorm weight f32 [d], ``positions`` int64 [B] (read on the device: no
 host sync, capturable in a CUDA graph), ``inv_freq`` f32 [rd / 2].
 
-One CTA per slot, one thread per entry channel ``c`` (d threads): the thread owns channel ``c`` (and ``d + c`` with
-the overlap) of every row it touches, so it writes the token into pending, pools, and moves the Ca half without a
-barrier: every pending or prev value it reads is one it wrote itself or one an earlier launch wrote, and the new
-token's values come from its registers. The one barrier is the RMSNorm's sum of squares (warp shuffles, then one
-float per warp through shared memory, summed in the same order by every thread). RoPE pairs ``(2i, 2i + 1)`` of the
-last ``rd`` channels are neighbouring lanes: the partner's value is one shuffle (xor 1) away.
+Why the split: a slot's update reads little (HCA: the window's kv and gate and ``ape``, 768 KB; CSA tens of KB) and
+does little with it, so at a small batch its time is latency: one SM pulls about 50-100 GB/s, and a thread that
+walks the window's 128 slots is a chain of 128 dependent softmax steps. With one CTA a slot and a thread a channel,
+a batch-1 step took about 20 us a compressor. So (``CompressStepConfig``, ``sm90_heuristics.compress_step_config``):
 
-Numerics, in float32 as the reference: the pooling is an online softmax over the slots (the first slot of this
-window first: it is finite, so a -inf gate of an empty ``prev`` weighs 0 without a NaN), ``exp`` as ``ex2.approx``
-of ``x * log2(e)``; the sum of squares over d, ``rsqrt.approx``; cos and sin of ``float32(w * ratio) * inv_freq``
-rounded as torch rounds it, reduced in float64 (``sm90_ptx.rope_cos_sin``: accurate at positions of millions,
-where ``sin.approx`` is not); the entry rounded to BF16 to nearest even. Against the reference: pending and prev
-bit for bit (copies and one float add), the entry within one BF16 ulp (float32 rounding differences that land on a
-rounding boundary). The entry is written where the window does not close too (the reference does: only a closed
-window's row is read); a row past the store (a position beyond ``max_context``) is not written.
+* a slot is a thread-block cluster of ``cluster`` CTAs along the grid's x (the grid's y is the slot), CTA ``r``
+  taking entry channels ``[r * dc, (r + 1) * dc)``, ``dc = d / cluster`` whole warps;
+* a CTA's ``dc * groups`` threads are ``groups`` groups of ``dc`` (thread ``g * dc + i``: channel ``i``, group
+  ``g``, so a warp reads 32 neighbouring channels of a row); group ``g`` pools the window's slots
+  ``[g * K, (g + 1) * K)``, ``K = ratio / groups`` (with the overlap, the same slots of ``prev``), loaded together
+  in chunks of up to ``SLOT_CHUNK`` before any softmax arithmetic needs them;
+* the groups' partial softmax sums (max, denominator, numerator) go through shared memory and group 0 combines
+  them in group order;
+* the RMSNorm's sum of squares: each CTA adds its channels' squares (a butterfly per warp, the warps' sums in warp
+  order), stores that float into every peer's shared memory (``mapa`` + ``st.shared::cluster``), and after a cluster
+  barrier every CTA adds the ``cluster`` partials in rank order: every channel of the slot is scaled by the same
+  float, the same from launch to launch.
+
+Ownership (why pending and prev need no barrier): thread ``(g, i)`` is the only one that touches rows ``[g * K,
+(g + 1) * K)`` of channel ``c = r * dc + i`` (and ``d + c``) of pending and prev: it writes the token into its slot
+when the slot is one of its rows, reads those rows to pool (the token's own values from its registers), and where the
+window closes moves its Ca rows into prev after reading prev (program order of one thread on the same addresses).
+Every other value it reads an earlier launch wrote. Barriers serve the partial sums only: ``bar.sync`` after the
+groups' partials and after the warps' sums of squares, and two cluster barriers: an arrive at the start and a wait
+before the first remote store (a peer's shared memory exists once the peer has started), then arrive (release) and
+wait (acquire) after the stores. No remote access follows the last wait, so a CTA may exit while its peers finish.
+RoPE pairs ``(2i, 2i + 1)`` of the last ``rd`` channels are neighbouring lanes of one warp (``dc`` a multiple of
+32, ``rd`` even): the partner's value is one shuffle (xor 1) away.
+
+Numerics, in float32 as the reference: the pooling is a softmax over the slots; a chunk takes the max of its gates
+(every chunk holds slots of this window: finite gates, so a -inf gate of an empty ``prev`` weighs 0 without a NaN),
+``exp`` as ``ex2.approx`` of ``x * log2(e)``, the chunks of a thread merged online, the groups' partials rescaled to
+their max; the sum of squares over d, ``rsqrt.approx``; cos and sin of ``float32(w * ratio) * inv_freq`` rounded as
+torch rounds it, reduced in float64 (``sm90_ptx.rope_cos_sin``: accurate at positions of millions, where
+``sin.approx`` is not); the entry rounded to BF16 to nearest even. Against the reference: pending and prev bit for
+bit (copies and one float add), the entry within one BF16 ulp (float32 rounding differences that land on a rounding
+boundary). The entry is written where the window does not close too (the reference does: only a closed window's row
+is read); a row past the store (a position beyond ``max_context``) is not written.
 """
 
 from __future__ import annotations
@@ -39,10 +62,12 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import CompressStepConfig
+from .sm90_heuristics import compress_step_config
 from .sm90_ptx import LOG2E
 
-MAX_DIM = 1024     # one thread per entry channel: the most threads of a CTA
-SLOT_UNROLL = 8    # slots of the window loop unrolled (HCA pools 128: loads in flight ahead of the softmax chain)
+MAX_THREADS = 1024   # threads of a CTA: channels x slot groups
+CLUSTERS = (1, 2, 4, 8)   # CTAs of a slot: portable cluster sizes that divide d into whole warps
+SLOT_CHUNK = 8       # slots a thread loads at once before their softmax (HCA: a thread's 8 slots in one go)
 
 
 def _exp(x: Float32) -> Float32:
@@ -54,13 +79,32 @@ def _pick(own: cutlass.Boolean, reg: Float32, loaded: Float32) -> Float32:
     return Float32(cutlass.select_(own, reg, loaded))
 
 
-def _online(m: Float32, den: Float32, acc: Float32, g: Float32, v: Float32) -> tuple[Float32, Float32, Float32]:
-    """One slot (gate ``g``, value ``v``) into a running softmax-weighted sum: max ``m`` (finite), denominator
-    ``den``, numerator ``acc``; a -inf gate adds 0."""
-    m_new = cute.arch.fmax(m, g)
-    scale = _exp(m - m_new)
-    p = _exp(g - m_new)
-    return m_new, den * scale + p, acc * scale + p * v
+def _partial(gates: list, values: list) -> tuple[Float32, Float32, Float32]:
+    """A chunk's softmax-weighted sum: max ``m`` of ``gates`` (finite: the chunk holds a slot of this window),
+    denominator and numerator relative to it, added in list order; a -inf gate adds 0."""
+    m = gates[0]
+    for g in gates[1:]:
+        m = cute.arch.fmax(m, g)
+    p = [_exp(g - m) for g in gates]
+    den, acc = p[0], p[0] * values[0]
+    for k in range(1, len(gates)):
+        den = den + p[k]
+        acc = acc + p[k] * values[k]
+    return m, den, acc
+
+
+def _merge(m: Float32, den: Float32, acc: Float32, m2: Float32, den2: Float32, acc2: Float32
+           ) -> tuple[Float32, Float32, Float32]:
+    """Two partial sums (finite maxima) as one, relative to the larger max."""
+    m_new = cute.arch.fmax(m, m2)
+    s1, s2 = _exp(m - m_new), _exp(m2 - m_new)
+    return m_new, den * s1 + den2 * s2, acc * s1 + acc2 * s2
+
+
+def _why(config: CompressStepConfig) -> str:
+    return (f"compressor step {config}: needs ratio >= 1, a cluster of {CLUSTERS} CTAs each of a multiple of 32 of "
+            f"the d channels, slot groups that divide ratio, at most {MAX_THREADS} threads a CTA, an even rope_dim "
+            "up to d and eps >= 0")
 
 
 class Sm90CompressStep:
@@ -73,18 +117,22 @@ class Sm90CompressStep:
     """
 
     def __init__(self, config: CompressStepConfig):
-        _expect(self.can_implement(config), f"compressor step {config}: needs ratio >= 1, d a multiple of 32 up to "
-                f"{MAX_DIM}, an even rope_dim up to d and eps >= 0")
+        _expect(self.can_implement(config), _why(config))
         self.config = config
         self.ratio, self.dim, self.overlap, self.rope_dim = config.ratio, config.dim, config.overlap, config.rope_dim
         self.eps = float(config.eps)
-        self.threads = config.dim
+        self.cluster, self.groups, self.channels, self.slots = (config.cluster, config.groups, config.channels,
+                                                                config.slots)
+        self.chunk = max(k for k in range(1, min(self.slots, SLOT_CHUNK) + 1) if self.slots % k == 0)
+        self.threads = self.channels * self.groups
 
     @staticmethod
     def can_implement(config: CompressStepConfig) -> bool:
-        """Whether one CTA of d threads (whole warps, at most ``MAX_DIM``) takes the shape, and RoPE pairs are whole
-        lane pairs (an even ``rope_dim``, so the rotated channels start at an even channel)."""
-        return (config.ratio >= 1 and config.dim % 32 == 0 and 32 <= config.dim <= MAX_DIM
+        """Whether the cluster splits d into whole warps a CTA (RoPE pairs are then lane pairs of one warp, with an
+        even ``rope_dim``), the groups split the window evenly, and a CTA has at most ``MAX_THREADS`` threads."""
+        return (config.ratio >= 1 and config.cluster in CLUSTERS and config.dim % config.cluster == 0
+                and config.channels % 32 == 0 and config.channels >= 32 and config.groups >= 1
+                and config.ratio % config.groups == 0 and config.channels * config.groups <= MAX_THREADS
                 and config.rope_dim % 2 == 0 and 0 <= config.rope_dim <= config.dim and config.eps >= 0)
 
     def key(self) -> tuple:
@@ -94,89 +142,154 @@ class Sm90CompressStep:
     def __call__(self, mKv: cute.Tensor, mGate: cute.Tensor, mPendKv: cute.Tensor, mPendGate: cute.Tensor,
                  mPrevKv: cute.Tensor, mPrevGate: cute.Tensor, mStore: cute.Tensor, mApe: cute.Tensor,
                  mNorm: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor, stream):
-        self.kernel(mKv, mGate, mPendKv, mPendGate, mPrevKv, mPrevGate, mStore, mApe, mNorm, mPos, mFreq).launch(
-            grid=[mKv.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
+        grid = [self.cluster, mKv.shape[0], 1]   # x: the CTAs of a slot (one cluster), y: the slot
+        if const_expr(self.cluster > 1):
+            self.kernel(mKv, mGate, mPendKv, mPendGate, mPrevKv, mPrevGate, mStore, mApe, mNorm, mPos, mFreq).launch(
+                grid=grid, block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1], stream=stream)
+        else:
+            self.kernel(mKv, mGate, mPendKv, mPendGate, mPrevKv, mPrevGate, mStore, mApe, mNorm, mPos, mFreq).launch(
+                grid=grid, block=[self.threads, 1, 1], stream=stream)
+
+    def chunk_partial(self, mPendKv: cute.Tensor, mPendGate: cute.Tensor, mPrevKv: cute.Tensor,
+                      mPrevGate: cute.Tensor, mApe: cute.Tensor, b: Int32, c: Int32, cb: Int32, slot: Int32,
+                      kv_b: Float32, gate_b: Float32, j0: Int32) -> tuple[Float32, Float32, Float32]:
+        """The softmax partial of slots ``[j0, j0 + chunk)`` of this window (the new token's own slot from its
+        registers) and, with the overlap, the same slots of prev (gates with ape already). Every load, its own slot's
+        too (what this thread stored in step 1, unused: no branch), is issued before the softmax needs it."""
+        gates, values = [], []
+        for k in range(self.chunk):
+            j = j0 + k
+            gates.append(_pick(slot == j, gate_b, mPendGate[b, j, cb]) + mApe[j, cb])
+            values.append(_pick(slot == j, kv_b, mPendKv[b, j, cb]))
+        if self.overlap:
+            for k in range(self.chunk):
+                gates.append(mPrevGate[b, j0 + k, c])
+                values.append(mPrevKv[b, j0 + k, c])
+        return _partial(gates, values)
 
     @cute.kernel
     def kernel(self, mKv: cute.Tensor, mGate: cute.Tensor, mPendKv: cute.Tensor, mPendGate: cute.Tensor,
                mPrevKv: cute.Tensor, mPrevGate: cute.Tensor, mStore: cute.Tensor, mApe: cute.Tensor,
                mNorm: cute.Tensor, mPos: cute.Tensor, mFreq: cute.Tensor):
-        c, _, _ = cute.arch.thread_idx()
-        b, _, _ = cute.arch.block_idx()
-        ratio, d, rd = self.ratio, self.dim, self.rope_dim
+        tid, _, _ = cute.arch.thread_idx()
+        rank, b, _ = cute.arch.block_idx()   # the cluster spans the grid's x: rank in the cluster = block x
+        ratio, d, rd, dc = self.ratio, self.dim, self.rope_dim, self.channels
+        n_cta, n_grp, n_slot, chunk = self.cluster, self.groups, self.slots, self.chunk
+        if const_expr(n_cta > 1):
+            cute.arch.cluster_arrive_relaxed()   # started: peers may store into this CTA's shared memory (step 5)
         smem = cutlass.memory.SmemAllocator()
-        s_warp = smem.allocate_array(Float32, d // 32, byte_alignment=16).toint()
+        s_part = smem.allocate_array(Float32, 3 * max(n_grp - 1, 1) * dc, byte_alignment=16).toint()
+        s_warp = smem.allocate_array(Float32, dc // 32, byte_alignment=16).toint()
+        s_sum = smem.allocate_array(Float32, n_cta, byte_alignment=16).toint()
+        grp = tid // dc
+        c = rank * dc + tid % dc         # the entry channel
+        cb = c + d * int(self.overlap)   # the channel pooled from this window (CSA: its Cb half)
+        first = grp * n_slot             # this group's slots: [first, first + n_slot)
         pos = mPos[b]
         slot = Int32(pos % ratio)
         row = pos // ratio
-        cb = c + d * int(self.overlap)   # the channel pooled from this window (CSA: its Cb half)
 
-        # 1. the token into its slot of the open window (Ca too with the overlap: it moves to prev at the close)
+        # 1. the token into its slot of the open window, by the group that owns the slot (Ca too with the overlap:
+        #    it moves to prev at the close)
         kv_b = mKv[b, cb]
         gate_b = mGate[b, cb]
-        mPendKv[b, slot, cb] = kv_b
-        mPendGate[b, slot, cb] = gate_b
         kv_a = Float32(0.0)
         gate_a = Float32(0.0)
         if const_expr(self.overlap):
             kv_a = mKv[b, c]
             gate_a = mGate[b, c]
-            mPendKv[b, slot, c] = kv_a
-            mPendGate[b, slot, c] = gate_a
+        if slot // n_slot == grp:
+            mPendKv[b, slot, cb] = kv_b
+            mPendGate[b, slot, cb] = gate_b
+            if const_expr(self.overlap):
+                mPendKv[b, slot, c] = kv_a
+                mPendGate[b, slot, c] = gate_a
 
-        # 2. the pooled channel: softmax over the slots of gate + ape, online. Slot 0 of this window starts it: a
-        #    finite gate, so the running max is finite before prev's gates (-inf before the first close) come in.
-        #    Every slot is loaded, the token's own too (what this thread stored above, unused): loads without a
-        #    branch, so that the unrolled slots' loads are all in flight before the softmax chain needs them.
-        m = _pick(slot == 0, gate_b, mPendGate[b, 0, cb]) + mApe[0, cb]
-        den = Float32(1.0)
-        acc = _pick(slot == 0, kv_b, mPendKv[b, 0, cb])
-        for j in cutlass.range(1, ratio, unroll=SLOT_UNROLL):
-            g = _pick(slot == j, gate_b, mPendGate[b, j, cb])
-            m, den, acc = _online(m, den, acc, g + mApe[j, cb], _pick(slot == j, kv_b, mPendKv[b, j, cb]))
-        if const_expr(self.overlap):
-            for j in cutlass.range(ratio, unroll=SLOT_UNROLL):   # prev's gates hold ape already
-                m, den, acc = _online(m, den, acc, mPrevGate[b, j, c], mPrevKv[b, j, c])
-        pooled = acc / den
+        # 2. this group's slots, chunk by chunk (:meth:`chunk_partial`)
+        operands = (mPendKv, mPendGate, mPrevKv, mPrevGate, mApe, b, c, cb, slot, kv_b, gate_b)
+        m, den, acc = self.chunk_partial(*operands, first)
+        if const_expr(n_slot > chunk):
+            for i in cutlass.range(1, n_slot // chunk):
+                m2, den2, acc2 = self.chunk_partial(*operands, first + i * chunk)
+                m, den, acc = _merge(m, den, acc, m2, den2, acc2)
 
-        # 3. the window closes: its Ca half (the new token's from registers) becomes prev, after prev was read above
-        #    (the same thread's loads and stores of the same addresses: program order)
+        # 3. the window closes: this group's rows of the Ca half (the new token's from registers) become prev, after
+        #    this thread read them from prev above (program order of one thread on the same addresses)
         if const_expr(self.overlap):
             if slot == ratio - 1:
-                for k in cutlass.range(ratio - 1, unroll=SLOT_UNROLL):
-                    mPrevKv[b, k, c] = mPendKv[b, k, c]
-                    mPrevGate[b, k, c] = mPendGate[b, k, c] + mApe[k, c]
-                mPrevKv[b, ratio - 1, c] = kv_a
-                mPrevGate[b, ratio - 1, c] = gate_a + mApe[ratio - 1, c]
+                for k in cutlass.range(n_slot, unroll=SLOT_CHUNK):
+                    j = first + k
+                    mPrevKv[b, j, c] = _pick(slot == j, kv_a, mPendKv[b, j, c])
+                    mPrevGate[b, j, c] = _pick(slot == j, gate_a, mPendGate[b, j, c]) + mApe[j, c]
 
-        # 4. RMSNorm: the sum of squares over the d channels (a butterfly per warp, the warps' sums through shared
-        #    memory, added in one order by every thread, so that every channel is scaled by the same float)
-        ss = pooled * pooled
-        for sh in cutlass.range_constexpr(5):
-            ss = ss + cute.arch.shuffle_sync_bfly(ss, 1 << sh)
-        if c % 32 == 0:
-            ptx.st_shared_f32(s_warp + (c // 32) * 4, ss)
+        # what the entry needs besides the pooled value, loaded before the barriers (group 0 writes the entry)
+        w_norm = mNorm[c]
+        cos, sin = Float32(1.0), Float32(0.0)
+        if const_expr(rd > 0):
+            if grp == 0:
+                if c >= d - rd:
+                    cos, sin = ptx.rope_cos_sin(row * ratio, mFreq[(c - (d - rd)) // 2])
+
+        # 4. the groups' partials, combined by group 0 in group order, each rescaled once to their common max
+        if const_expr(n_grp > 1):
+            part = (n_grp - 1) * dc * 4   # bytes of one of the m, den, acc arrays (groups 1..)
+            if grp > 0:
+                at = s_part + (tid - dc) * 4
+                ptx.st_shared_f32(at, m)
+                ptx.st_shared_f32(at + part, den)
+                ptx.st_shared_f32(at + 2 * part, acc)
+            cute.arch.sync_threads()
+            if grp == 0:
+                big = m
+                for h in cutlass.range_constexpr(1, n_grp):
+                    big = cute.arch.fmax(big, ptx.ld_shared_f32(s_part + ((h - 1) * dc + tid) * 4))
+                scale = _exp(m - big)
+                den, acc = den * scale, acc * scale
+                for h in cutlass.range_constexpr(1, n_grp):
+                    at = s_part + ((h - 1) * dc + tid) * 4
+                    scale = _exp(ptx.ld_shared_f32(at) - big)
+                    den = den + ptx.ld_shared_f32(at + part) * scale
+                    acc = acc + ptx.ld_shared_f32(at + 2 * part) * scale
+        pooled = acc / den
+
+        # 5. RMSNorm: the sum of squares over the slot's d channels (a butterfly per warp, the warps' sums through
+        #    shared memory in warp order: this CTA's partial; then every CTA's partial into every CTA's s_sum, added
+        #    in rank order), so that every channel of the slot is scaled by the same float
+        if grp == 0:
+            ss = pooled * pooled
+            for sh in cutlass.range_constexpr(5):
+                ss = ss + cute.arch.shuffle_sync_bfly(ss, 1 << sh)
+            if tid % 32 == 0:
+                ptx.st_shared_f32(s_warp + (tid // 32) * 4, ss)
         cute.arch.sync_threads()
         total = ptx.ld_shared_f32(s_warp)
-        for w in cutlass.range_constexpr(1, d // 32):
+        for w in cutlass.range_constexpr(1, dc // 32):
             total = total + ptx.ld_shared_f32(s_warp + w * 4)
-        y = pooled * cute.math.rsqrt(total / Float32(d) + Float32(self.eps)) * mNorm[c]
+        if const_expr(n_cta > 1):
+            cute.arch.cluster_wait()       # every peer has started (its arrive at the top): its shared memory is live
+            if tid < n_cta:
+                ptx.st_cluster_f32(ptx.mapa(s_sum + rank * 4, tid), total)
+            cute.arch.cluster_arrive()     # release: this CTA's stores into its peers ...
+            cute.arch.cluster_wait()       # ... acquire: every peer's store into this CTA's s_sum
+            total = ptx.ld_shared_f32(s_sum)
+            for r in cutlass.range_constexpr(1, n_cta):
+                total = total + ptx.ld_shared_f32(s_sum + r * 4)
 
-        # 5. RoPE of the last rd channels at the entry's position w * ratio: pair (2i, 2i + 1) is the lanes (c, c ^ 1)
-        #    (rd and d even); every lane shuffles, the rotated warps use it
-        out = y
-        if const_expr(rd > 0):
-            partner = cute.arch.shuffle_sync_bfly(y, 1)
-            if c >= d - rd:
-                cos, sin = ptx.rope_cos_sin(row * ratio, mFreq[(c - (d - rd)) // 2])
-                if c % 2 == 0:
-                    out = y * cos - partner * sin      # a cos - b sin
-                else:
-                    out = partner * sin + y * cos      # a sin + b cos
-
-        # 6. the entry, BF16 (round to nearest even), where the store has its row
-        if row < Int64(mStore.shape[1]):
-            mStore[b, Int32(row), c] = out.to(BFloat16)
+        if grp == 0:
+            y = pooled * cute.math.rsqrt(total / Float32(d) + Float32(self.eps)) * w_norm
+            # 6. RoPE of the last rd channels at the entry's position w * ratio: pair (2i, 2i + 1) is the lanes
+            #    (c, c ^ 1) of one warp (dc a multiple of 32, rd and d even); every lane shuffles, the rotated use it
+            out = y
+            if const_expr(rd > 0):
+                partner = cute.arch.shuffle_sync_bfly(y, 1)
+                if c >= d - rd:
+                    if c % 2 == 0:
+                        out = y * cos - partner * sin      # a cos - b sin
+                    else:
+                        out = partner * sin + y * cos      # a sin + b cos
+            # 7. the entry, BF16 (round to nearest even), where the store has its row
+            if row < Int64(mStore.shape[1]):
+                mStore[b, Int32(row), c] = out.to(BFloat16)
 
 
 def sm90_compress_step(kv: torch.Tensor, gate: torch.Tensor, pending_kv: torch.Tensor, pending_gate: torch.Tensor,
@@ -194,9 +307,8 @@ def sm90_compress_step(kv: torch.Tensor, gate: torch.Tensor, pending_kv: torch.T
             f"store must be CUDA BF16 [B, rows, d], got {store.dtype} {tuple(store.shape)}")
     b, d = store.shape[0], store.shape[-1]
     c = 2 * d if overlap else d
-    config = CompressStepConfig(ratio=ratio, dim=d, overlap=overlap, rope_dim=2 * inv_freq.numel(), eps=float(eps))
-    _expect(Sm90CompressStep.can_implement(config), f"compressor step {config}: needs ratio >= 1, d a multiple of "
-            f"32 up to {MAX_DIM}, an even rope_dim up to d and eps >= 0")
+    config = compress_step_config(ratio, d, overlap, 2 * inv_freq.numel(), eps)
+    _expect(Sm90CompressStep.can_implement(config), _why(config))
     f32 = {"kv": (kv, (b, c)), "gate": (gate, (b, c)), "pending_kv": (pending_kv, (b, ratio, c)),
            "pending_gate": (pending_gate, (b, ratio, c)), "ape": (ape, (ratio, c)), "norm_weight": (norm_weight, (d,)),
            "inv_freq": (inv_freq, (config.rope_dim // 2,))}

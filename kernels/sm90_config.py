@@ -159,15 +159,20 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class CompressStepConfig:
-    """One compiled decode-step compressor update (``sm90_compressor``): what a CSA, indexer or HCA compressor is.
+    """One compiled decode-step compressor update (``sm90_compressor``): what a CSA, indexer or HCA compressor is,
+    and how a slot's work is spread (``sm90_heuristics.compress_step_config`` picks ``cluster`` and ``groups``).
 
     Attributes:
         ratio: tokens per window (V4: 4 for CSA and its indexer, 128 for HCA).
-        dim: d, the width of a compressed entry (V4: 512, the indexer's 128); one thread per channel.
+        dim: d, the width of a compressed entry (V4: 512, the indexer's 128).
         overlap: CSA: an entry pools the previous window's first half too, and the projections are C = 2d wide;
             HCA: C = d.
         rope_dim: the last ``rope_dim`` channels of an entry are rotated (V4: 64).
         eps: the RMSNorm's epsilon (``rms_norm_eps``).
+        cluster: CTAs of a slot, one thread-block cluster: each takes ``dim / cluster`` channels (whole warps), and
+            the RMSNorm's sum of squares is added up through distributed shared memory.
+        groups: thread groups of a CTA, each pooling ``ratio / groups`` of the window's slots for every channel of
+            the CTA (partial softmax sums combined through shared memory); ``dim / cluster * groups`` threads.
     """
 
     ratio: int
@@ -175,11 +180,24 @@ class CompressStepConfig:
     overlap: bool
     rope_dim: int
     eps: float
+    cluster: int = 1
+    groups: int = 1
 
     @property
     def width(self) -> int:
         """C, the channels of a token's kv and gate projections."""
         return 2 * self.dim if self.overlap else self.dim
+
+    @property
+    def channels(self) -> int:
+        """Entry channels one CTA takes."""
+        return self.dim // self.cluster
+
+    @property
+    def slots(self) -> int:
+        """Slots of the window one thread pools (with the overlap, as many of ``prev`` too)."""
+        return self.ratio // self.groups
+
 
 @dataclass(frozen=True)
 class MoeShape:

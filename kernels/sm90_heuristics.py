@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from .sm90_config import (ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, Fp8LinearConfig, GemmConfig, GemmProblem,
-                          MmaTiling, MoePlan, MoeShape, WgmmaTiling)
+from .sm90_config import (ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, CompressStepConfig, Fp8LinearConfig,
+                          GemmConfig, GemmProblem, MmaTiling, MoePlan, MoeShape, WgmmaTiling)
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)      # mma.sync token tiles
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
@@ -343,3 +343,31 @@ def sort_topk_pays(batch: int, entries: int, k: int, segment: int = 4096) -> boo
     """Whether the sort kernel beats ``torch.topk`` on ``batch`` lists of ``entries`` keys: one CTA a list up to
     ``segment`` keys, segment passes over longer lists up to ``SORT_TOPK_MAX_KEYS`` keys in all."""
     return max(entries, k) <= segment or batch * entries <= SORT_TOPK_MAX_KEYS
+
+
+# -- decode compressor step ------------------------------------------------------------------------------------------
+COMPRESS_MAX_CLUSTER = 8       # CTAs of a slot at most: the portable cluster size (16 needs a non-portable opt-in)
+COMPRESS_MIN_CHANNELS = 32     # channels of a CTA at least: one warp, so that RoPE pairs stay in a warp
+COMPRESS_MAX_THREADS = 1024    # threads of a CTA: channels x slot groups
+
+
+def compress_step_config(ratio: int, dim: int, overlap: bool, rope_dim: int, eps: float) -> CompressStepConfig:
+    """How ``Sm90CompressStep`` spreads one slot's update, from the compressor's shape alone (one compile per
+    compressor, whatever the batch).
+
+    A step reads a few tens of KB a slot (HCA: 768 KB, the window and ``ape``) and does a few dependent float
+    operations per value: at a small batch its time is the latency of one SM pulling those bytes and of each
+    thread's chain over the window's slots, not bandwidth. So a slot's channels go to as many CTAs as a portable
+    cluster holds while each keeps a whole warp of channels (d = 512: 8 CTAs of 64; the indexer's d = 128: 4 of
+    32), and a CTA's threads split the slots into the most groups that divide the window and fit 1024 threads
+    (HCA: 16 groups of 8 slots, every thread's 8 slots loaded at once; CSA: 4 groups of one slot and its ``prev``
+    twin). At a large batch the grid is many waves of such CTAs, each as short, so the split costs little there."""
+    cluster = 1
+    while (cluster < COMPRESS_MAX_CLUSTER and dim % (2 * cluster) == 0
+           and (dim // (2 * cluster)) % COMPRESS_MIN_CHANNELS == 0):
+        cluster *= 2
+    channels = dim // cluster
+    groups = max([g for g in range(1, ratio + 1) if ratio % g == 0 and channels * g <= COMPRESS_MAX_THREADS],
+                 default=1)
+    return CompressStepConfig(ratio=ratio, dim=dim, overlap=overlap, rope_dim=rope_dim, eps=float(eps),
+                              cluster=cluster, groups=groups)

@@ -11,7 +11,8 @@ Decode attention (``sm90_decode_attention``): ``cp.async.cg`` 16-byte gathers wi
 ``wgmma`` with both operands in shared memory and with a transposed (MN-major) B, shared/global scalar
 and vector I/O, distributed shared memory reads across a cluster (``mapa``), ``ex2.approx``.
 
-Compressor step (``sm90_compressor``): the cos and sin of a RoPE angle, accurate for large positions.
+Compressor step (``sm90_compressor``): the cos and sin of a RoPE angle, accurate for large positions; a float stored
+into a peer CTA's shared memory (the cluster's sum of squares).
 
 Shared memory is addressed by 32-bit ``.shared`` addresses, global memory by 64-bit generic
 addresses. Every helper is a pure function of 32-bit registers (``Int32``) or ``Float32`` values
@@ -353,6 +354,13 @@ def ld_cluster_v4_f32(addr: Int32, *, loc=None, ip=None) -> tuple[Float32, Float
         _struct(4, "f32"), [_i32(addr, loc, ip)],
         "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r", has_side_effects=True, loc=loc, ip=ip)
     return _unpack(res, 4, T.f32(), Float32, loc, ip)
+
+
+def st_cluster_f32(addr: Int32, v: Float32, *, loc=None, ip=None) -> None:
+    """4 bytes to a ``.shared::cluster`` address (:func:`mapa`: a peer CTA's shared memory), published to the peer
+    by a cluster barrier (``barrier.cluster.arrive``, release, then its ``wait``, acquire)."""
+    llvm.inline_asm(None, [_i32(addr, loc, ip), _f32(v, loc, ip)], "st.shared::cluster.f32 [$0], $1;", "r,f",
+                    has_side_effects=True, loc=loc, ip=ip)
 
 
 def f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:

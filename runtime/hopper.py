@@ -29,7 +29,8 @@ the PyTorch references everywhere else.
   softmax (prefill chunks);
 * a decode step's compressor update (``compress_step``: the token into the pending window, the pooling, RMSNorm,
   RoPE, the BF16 entry and the overlap half): :func:`~nvfp4_megamoe.kernels.sm90_compressor.sm90_compress_step`, one
-  launch per compressor for every slot instead of about 20 torch calls.
+  launch per compressor for every slot instead of about 20 torch calls, a slot's channels over a cluster of CTAs
+  (``sm90_heuristics.compress_step_config``).
 
 Each op asks its kernel's ``can_implement`` and runs the reference where the answer is no: this module is the
 one place that chooses between a kernel and the reference.
@@ -495,10 +496,11 @@ class HopperBackend(ReferenceBackend):
 
 def _compress_config(ratio: int, dim: int, overlap: bool, rope_pairs: int, eps: float):
     """The compressor step kernel's configuration for a compressor of these shapes (``rope_pairs``: the entries of
-    ``inv_freq``)."""
-    from nvfp4_megamoe.kernels.sm90_config import CompressStepConfig
+    ``inv_freq``), its cluster and slot groups as ``sm90_heuristics`` picks them (what ``sm90_compress_step``
+    launches)."""
+    from nvfp4_megamoe.kernels.sm90_heuristics import compress_step_config
 
-    return CompressStepConfig(ratio=ratio, dim=dim, overlap=overlap, rope_dim=2 * rope_pairs, eps=float(eps))
+    return compress_step_config(ratio, dim, overlap, 2 * rope_pairs, eps)
 
 
 def fused_kind(group: tuple[Linear, ...]) -> str | None:

@@ -91,10 +91,10 @@ def jobs(every: bool) -> list[tuple]:
                                                              Sm90DecodeAttentionCombine)
     from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre
     from nvfp4_megamoe.kernels.sm90_compressor import Sm90CompressStep, stand_in_operands as compressor_operands
-    from nvfp4_megamoe.kernels.sm90_config import CompressStepConfig
     from nvfp4_megamoe.kernels.sm90_router import RouterConfig
     from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Dequant, Sm90Fp8Linear
-    from nvfp4_megamoe.kernels.sm90_heuristics import fp8_linear_config, fp8_linear_token_counts, fp8_reads_f32_x
+    from nvfp4_megamoe.kernels.sm90_heuristics import (compress_step_config, fp8_linear_config, fp8_linear_token_counts,
+                                                       fp8_reads_f32_x)
     from sm90_stand_ins import FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args
 
     found: dict[tuple, tuple] = {}
@@ -120,7 +120,7 @@ def jobs(every: bool) -> list[tuple]:
     record(Sm90HcPost(hc=4), hc_post_args(4))
     # the decode step's compressor update: V4's CSA compressor, its indexer's, and HCA's
     for ratio, dim, overlap in ((4, 512, True), (4, 128, True), (128, 512, False)):
-        config = CompressStepConfig(ratio=ratio, dim=dim, overlap=overlap, rope_dim=64, eps=1e-6)
+        config = compress_step_config(ratio, dim, overlap, 64, 1e-6)   # the cluster and groups the runtime picks
         record(Sm90CompressStep(config), compressor_operands(config, "cpu"))
     # the router: V4's top-k (with its bias) and hash kernels, and the widest softmax one (16 logits a lane, 32 slots)
     with cute_host.collecting() as routers:

@@ -1,8 +1,10 @@
 """The decode step's compressor kernel (``kernels/sm90_compressor.py``): every configuration V4-Flash and V4-Pro use
-compiled for sm_90a on the CPU (CI), the backend's fallback on the CPU, and on the H200 (marked ``gpu``) against
+compiled for sm_90a on the CPU (CI), with the clusters and slot groups ``sm90_heuristics`` picks and others (one CTA a
+slot, several chunks a thread), the backend's fallback on the CPU, and on the H200 (marked ``gpu``) against
 ``ReferenceBackend.compress_step`` over consecutive steps: the three compressor shapes, 1 to 64 slots, windows that
 close and do not, the first window (an empty overlap half), positions near a million, strided projections and
-poisoned store rows."""
+poisoned store rows, and the other configurations' code paths.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 from nvfp4_megamoe.kernels.sm90_compressor import Sm90CompressStep, sm90_compress_step, stand_in_operands  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_config import CompressStepConfig  # noqa: E402
+from nvfp4_megamoe.kernels.sm90_heuristics import compress_step_config  # noqa: E402
 from nvfp4_megamoe.runtime.backend import ReferenceBackend  # noqa: E402
 from nvfp4_megamoe.runtime.hopper import HopperBackend  # noqa: E402
 from nvfp4_megamoe.runtime.state import CompressorState, compressor_shapes  # noqa: E402
@@ -26,15 +29,31 @@ EPS = 1e-6
 ROPE_DIM = 64
 # (ratio, d, overlap): V4's CSA compressor, the CSA indexer's compressor, the HCA compressor (Flash and Pro alike)
 SHAPES = {"csa": (4, 512, True), "indexer": (4, 128, True), "hca": (128, 512, False)}
-SHIPPED = [CompressStepConfig(ratio, d, overlap, ROPE_DIM, EPS) for ratio, d, overlap in SHAPES.values()]
+SHIPPED = [compress_step_config(ratio, d, overlap, ROPE_DIM, EPS) for ratio, d, overlap in SHAPES.values()]
+# configurations no V4 compressor picks, for their code paths: one CTA a slot and one group (no cluster, no partials
+# through shared memory), several chunks a thread (HCA's 128 slots in 4 groups of 32; CSA-like 16 slots in 2 groups)
+OTHERS = {"one-cta": CompressStepConfig(4, 128, True, ROPE_DIM, EPS, cluster=1, groups=1),
+          "hca-chunks": CompressStepConfig(128, 512, False, ROPE_DIM, EPS, cluster=2, groups=4),
+          "overlap-chunks": CompressStepConfig(16, 128, True, ROPE_DIM, EPS, cluster=2, groups=2)}
 
 
 @pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
-@pytest.mark.parametrize("config", SHIPPED, ids=list(SHAPES))
+@pytest.mark.parametrize("config", SHIPPED + list(OTHERS.values()), ids=list(SHAPES) + list(OTHERS))
 def test_compress_step_compiles_sm90a(config):
     from nvfp4_megamoe.kernels.cute_host import compile_op
     assert Sm90CompressStep.can_implement(config)
     assert compile_op(Sm90CompressStep(config), stand_in_operands(config, "cpu")) is not None
+
+
+def test_heuristics_spread_a_slot_over_a_cluster():
+    """d = 512: 8 CTAs of 64 channels; the indexer's d = 128: 4 of 32; HCA's 128 slots in 16 groups of 8 (1024
+    threads), CSA's 4 in 4 groups of one (and its prev twin)."""
+    picked = {name: (c.cluster, c.channels, c.groups, c.slots) for name, c in zip(SHAPES, SHIPPED)}
+    assert picked == {"csa": (8, 64, 4, 1), "indexer": (4, 32, 4, 1), "hca": (8, 64, 16, 8)}
+    assert all(c.channels * c.groups <= 1024 for c in SHIPPED)
+    wide = compress_step_config(4, 2048, True, 64, EPS)
+    assert (wide.cluster, wide.channels, wide.groups) == (8, 256, 4) and Sm90CompressStep.can_implement(wide)
+    assert compress_step_config(3, 96, True, 64, EPS).cluster == 1   # 48 channels are not whole warps
 
 
 def test_can_implement_says_which_shapes_fit():
@@ -42,6 +61,10 @@ def test_can_implement_says_which_shapes_fit():
     assert not Sm90CompressStep.can_implement(CompressStepConfig(4, 100, True, 64, EPS))    # not whole warps
     assert not Sm90CompressStep.can_implement(CompressStepConfig(4, 128, True, 63, EPS))    # half a RoPE pair
     assert not Sm90CompressStep.can_implement(CompressStepConfig(4, 128, True, 256, EPS))   # more rotated than d
+    assert not Sm90CompressStep.can_implement(CompressStepConfig(4, 128, True, 64, EPS, cluster=8))  # 16 a CTA
+    assert not Sm90CompressStep.can_implement(CompressStepConfig(4, 384, True, 64, EPS, cluster=3))  # not a size
+    assert not Sm90CompressStep.can_implement(CompressStepConfig(4, 256, True, 64, EPS, groups=3))   # 4 slots in 3
+    assert not Sm90CompressStep.can_implement(CompressStepConfig(128, 512, False, 64, EPS, groups=4))  # 2048 threads
     assert Sm90CompressStep.can_implement(CompressStepConfig(1, 32, False, 0, 0.0))
     with pytest.raises(ValueError, match="compressor step"):
         Sm90CompressStep(CompressStepConfig(4, 2048, True, 64, EPS))
@@ -106,9 +129,17 @@ def _assert_state_equal(got: CompressorState, want: CompressorState, what: str) 
     _assert_entries_close(got.store, want.store, what)
 
 
-def _kernel_step(kv, gate, cs: CompressorState, ape, norm, positions, freq) -> None:
-    sm90_compress_step(kv, gate, cs.pending_kv, cs.pending_gate, cs.prev_kv, cs.prev_gate, cs.store, ape,
-                       norm.float(), positions, freq, cs.ratio, EPS)
+def _kernel_step(kv, gate, cs: CompressorState, ape, norm, positions, freq,
+                 config: CompressStepConfig | None = None) -> None:
+    """The kernel's step as the runtime launches it, or, with ``config``, that configuration's kernel."""
+    if config is None:
+        sm90_compress_step(kv, gate, cs.pending_kv, cs.pending_gate, cs.prev_kv, cs.prev_gate, cs.store, ape,
+                           norm.float(), positions, freq, cs.ratio, EPS)
+        return
+    from nvfp4_megamoe.kernels.cute_host import launch
+    prev = [cs.prev_kv, cs.prev_gate] if cs.overlap else [cs.pending_kv, cs.pending_gate]
+    launch(Sm90CompressStep(config), [kv, gate, cs.pending_kv, cs.pending_gate, *prev, cs.store, ape, norm.float(),
+                                      positions, freq])
 
 
 def test_hopper_backend_runs_the_reference_on_the_cpu():
@@ -139,7 +170,7 @@ def _starts(ratio: int, b: int, large: bool, gen) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("b,large", [(1, False), (3, True), (64, False)])
+@pytest.mark.parametrize("b,large", [(1, False), (2, True), (3, True), (64, False)])
 def test_kernel_matches_reference_over_steps(shape, b, large):
     """Consecutive steps from the same state through the kernel and the reference: after every step the whole
     state agrees (pending and prev bit for bit, every store row, NaN where neither wrote)."""
@@ -158,6 +189,29 @@ def test_kernel_matches_reference_over_steps(shape, b, large):
         ref.compress_step(kv, gate, want, ape, norm, positions, freq, EPS)
         torch.cuda.synchronize()
         _assert_state_equal(got, want, f"{shape} B={b} step {step}")
+        positions += 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(OTHERS))
+@pytest.mark.parametrize("b", [1, 5])
+def test_other_configurations_match_reference(name, b):
+    """The code paths no shipped shape takes (no cluster, one group; several chunks a thread), over steps that
+    close windows, from positions near a million too."""
+    config = OTHERS[name]
+    ratio, d, overlap = config.ratio, config.dim, config.overlap
+    gen = torch.Generator(device="cuda").manual_seed(ratio + d + b + 1)
+    starts = _starts(ratio, b, True, torch.Generator().manual_seed(b)) if b > 1 else torch.tensor([ratio - 2])
+    got, want = _states(ratio, d, overlap, starts, torch.bfloat16, "cuda", gen, extra=4)
+    ape, norm = _weights(ratio, d, overlap, "cuda", gen)
+    freq, ref = _freq("cuda"), ReferenceBackend()
+    positions = starts.cuda()
+    for step in range(2 * ratio + 1 if ratio <= 16 else 4):
+        kv, gate = _projections(b, 2 * d if overlap else d, "cuda", gen)
+        _kernel_step(kv, gate, got, ape, norm, positions, freq, config)
+        ref.compress_step(kv, gate, want, ape, norm, positions, freq, EPS)
+        torch.cuda.synchronize()
+        _assert_state_equal(got, want, f"{name} B={b} step {step}")
         positions += 1
 
 
