@@ -6,14 +6,16 @@ sees, and the state writes that go with it. Two forms, one semantics (docs/deeps
   ``sink_attention``, CSA's per-query top-k entries gathered beside them (``sink_attention_picked``), in blocks
   of queries.
 * :class:`StepAttention`: one token of every slot, each at its own position (``positions`` on the device): the
-  ring write, the compressors' masked emission of the entry a slot's window closes, the indexer's top-k with
-  per-slot ``n_valid``, and ``decode_attention`` over the operands the GPU kernel takes. Fixed shapes, no host
-  read of a device value, writes in place: capturable in a CUDA graph.
+  query and key normed, rotated and the key written to the ring in one op (``Backend.step_qkv``), the compressors'
+  masked emission of the entry a slot's window closes, the indexer's top-k with per-slot ``n_valid``, and
+  ``decode_attention`` over the operands the GPU kernel takes. Fixed shapes, no host read of a device value, writes
+  in place: capturable in a CUDA graph.
 
-Both are called as ``core(a, h, qr, q, kv, freq, turn)`` by :meth:`Model._attention` with the layer's
-attention weights, its normed input ``h`` [B, T, hidden], the query's low-rank ``qr``, the rotated query ``q``
-[B, T, H, D] and key ``kv`` [B, T, D] (``turn``: their RoPE rotation, ``PositionTables.turn``), and return the
-attention output [B, T, H, D] (before the inverse RoPE).
+:meth:`Model._attention` hands each the projections first, ``core.query_key(a, q, kv, freq, turn)`` (the query
+[B, T, H, D] and key [B, T, D] as the linears made them; ``turn``: their RoPE rotation, ``PositionTables.turn``), which
+returns them RMS-normalised and rotated (a step: the key already in the ring, so None for it), then calls
+``core(a, h, qr, q, kv, freq, turn)`` with the layer's attention weights, its normed input ``h`` [B, T, hidden] and
+the query's low-rank ``qr``; that returns the attention output [B, T, H, D] (before the inverse RoPE).
 """
 
 from __future__ import annotations
@@ -63,12 +65,6 @@ class StepTables(PositionTables):
         super().__init__(backend, pos[:, None])
         self.pos = pos
 
-    def ring_slots(self, window: int, width: int) -> torch.Tensor:
-        """Index [B, 1, width] of each slot's ring row for this token (``pos % window``), for ``scatter_``."""
-        b = self.pos.shape[0]
-        return self._once(("ring", window, width),
-                          lambda: (self.pos % window).view(b, 1, 1).expand(b, 1, width))
-
     def window_len(self, window: int) -> torch.Tensor:
         """int32 [B]: the ring's valid slots, this token's included (a partly filled ring is a prefix)."""
         return self._once(("window_len", window), lambda: torch.clamp(self.pos + 1, max=window).to(torch.int32))
@@ -99,6 +95,14 @@ class ChunkAttention:
     def __init__(self, backend, config: ModelConfig, st: LayerState, rows: torch.Tensor, positions: torch.Tensor,
                  pos0: int):
         self.be, self.cfg, self.st, self.rows, self.positions, self.pos0 = backend, config, st, rows, positions, pos0
+
+    def query_key(self, a: AttentionWeights, q, kv, freq, turn):
+        """The query [n, T, H, D] RMS-normalised per head (no weight) and the key [n, T, D] by ``a.kv_norm``, both
+        rotated by ``turn`` [n or 1, T, rd/2]; the ring is written in :meth:`__call__`, after it is read."""
+        be, eps = self.be, self.cfg.rms_norm_eps
+        q = be.rotate_(be.rms_norm(q, None, eps), turn[:, :, None])   # in place: the norm's own output
+        kv = be.rotate_(be.rms_norm(kv, a.kv_norm, eps), turn)
+        return q, kv
 
     def __call__(self, a: AttentionWeights, h, qr, q, kv, freq, turn):
         be, cfg, st, rows, positions, pos0 = self.be, self.cfg, self.st, self.rows, self.positions, self.pos0
@@ -180,11 +184,17 @@ class StepAttention:
     def __init__(self, backend, config: ModelConfig, st: LayerState, tables: StepTables):
         self.be, self.cfg, self.st, self.tables, self.pos = backend, config, st, tables, tables.pos
 
+    def query_key(self, a: AttentionWeights, q, kv, freq, turn):
+        """``Backend.step_qkv``: the query [B, 1, H, D] normed and rotated (in the dtype the backend's
+        ``decode_attention`` reads), the key normed, rotated and written to each slot's ring row ``pos % W``; no key
+        is handed on (None): the ring holds it."""
+        q = self.be.step_qkv(q, kv, a.kv_norm, self.st.window, self.pos, freq, turn, self.cfg.rms_norm_eps)
+        return q, None
+
     def __call__(self, a: AttentionWeights, h, qr, q, kv, freq, turn):
         be, cfg, st, tables = self.be, self.cfg, self.st, self.tables
         b, window = q.shape[0], cfg.sliding_window
-        st.window.scatter_(1, tables.ring_slots(window, kv.shape[-1]), kv.to(st.window.dtype))
-        window_len = tables.window_len(window)
+        window_len = tables.window_len(window)   # the ring holds this token's key already (query_key)
         entries = indices = None
         ratio = a.compress_ratio
         if ratio:

@@ -122,6 +122,21 @@ class ReferenceBackend:
     chunk_topk = staticmethod(indexer_reference.topk_in_blocks)
 
     # -- decode (one token per sequence): the operands the GPU decode kernels take ----------------
+    def step_qkv(self, q_raw: torch.Tensor, kv_raw: torch.Tensor, kv_norm: torch.Tensor, ring: torch.Tensor,
+                 positions: torch.Tensor, inv_freq: torch.Tensor, turn: torch.Tensor, eps: float) -> torch.Tensor:
+        """A decode step's query and key in one op (so that a backend may run it as one kernel): the query ``q_raw``
+        [B, 1, H, D] RMS-normalised per head without a weight, the key ``kv_raw`` [B, 1, D] (any row stride) by
+        ``kv_norm`` [D] (both ``eps``), both rotated at each slot's position by ``turn`` [B, 1, rd/2]
+        (:meth:`rope_turn` of ``positions`` int64 [B], the tokens each slot held before this one, and ``inv_freq``
+        [rd/2], which a kernel computes from instead); the key is written, in the ring's dtype, to row
+        ``positions % W`` of ``ring`` [B, W, D], in place. Returns the rotated query [B, 1, H, D]: float32 here, in
+        the dtype its ``decode_attention`` reads on a backend whose kernel rounds it anyway (the Hopper one: BF16)."""
+        q = self.rotate_(self.rms_norm(q_raw, None, eps), turn[:, :, None])   # in place: the norm's own output
+        kv = self.rotate_(self.rms_norm(kv_raw, kv_norm, eps), turn)
+        b, window, d = ring.shape
+        ring.scatter_(1, (positions % window).view(b, 1, 1).expand(b, 1, d), kv.to(ring.dtype))
+        return q
+
     def compress_step(self, kv: torch.Tensor, gate: torch.Tensor, cs: CompressorState, ape: torch.Tensor,
                       norm: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, eps: float) -> None:
         """One token per slot into a compressor's state (``runtime/state.py``), in place: ``kv``, ``gate`` [B, C]

@@ -5,6 +5,9 @@ the PyTorch references everywhere else.
   rounded to BF16, weights decoded in registers, fp32 accumulation);
 * decode attention: :func:`~nvfp4_megamoe.kernels.sm90_decode_attention.sm90_decode_attention`
   (head_dim 512, heads a multiple of 64), BF16 operands;
+* a decode step's query and key before it (``step_qkv``: the query's per-head RMSNorm, the key's RMSNorm, RoPE of
+  both, the key into its ring row, the query in BF16 for the attention kernel):
+  :func:`~nvfp4_megamoe.kernels.sm90_qkv_step.sm90_qkv_step`, one launch a layer for every slot instead of about 7;
 * decode indexer top-k of CSA layers (``kernels/sm90_indexer.py``): the fused score kernel where the index
   heads/dims tile (else the torch composition of ``kernels/indexer_keys.py``), then the sort kernel, with segment
   passes beyond 4,096 entries, or ``torch.topk`` where the sort does not pay (``sm90_heuristics``); every size
@@ -91,7 +94,7 @@ class HopperBackend(ReferenceBackend):
         # ids of a group of one input's linears -> (the group's linears, one weight of them all, their widths)
         self._fused: dict[tuple[int, ...], tuple[tuple[Linear, ...], Linear, list[int]]] = {}
         self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0, "hc_pre": 0,
-                             "hc_post": 0, "compress_step": 0, "route": 0}
+                             "hc_post": 0, "compress_step": 0, "route": 0, "step_qkv": 0}
         self.warmup_seconds: float | None = None
         self.compiled_at_warmup: int | None = None  # kernels the last warm-up compiled (not found in a cache)
         self.compile_report: list = []  # the last warm-up's worker compiles (``compile_workers.Compiled``)
@@ -365,6 +368,27 @@ class HopperBackend(ReferenceBackend):
             return sm90_indexer.sm90_topk_of_keys(key, k)
         return indexer_keys.topk_of_keys_torch(key, k)
 
+    # -- a decode step's query and key ----------------------------------------------------------------------------
+    def step_qkv(self, q_raw: torch.Tensor, kv_raw: torch.Tensor, kv_norm: torch.Tensor, ring: torch.Tensor,
+                 positions: torch.Tensor, inv_freq: torch.Tensor, turn: torch.Tensor, eps: float) -> torch.Tensor:
+        """The reference's query and key in one launch (``sm90_qkv_step``) where the kernel takes them: CUDA float32
+        projections with a unit column stride, the BF16 ring this backend keeps, int64 positions, float32
+        frequencies, and a query the decode attention kernel reads (which rounds it to BF16 anyway). The query comes
+        back BF16 [B, 1, H, D], contiguous: :meth:`decode_attention` converts nothing."""
+        from nvfp4_megamoe.kernels import sm90_qkv_step
+        from nvfp4_megamoe.kernels.sm90_decode_attention import Sm90DecodeAttention
+
+        _, t, heads, d = q_raw.shape
+        fits = (q_raw.is_cuda and t == 1 and ring.dtype == torch.bfloat16 and positions.dtype == torch.int64
+                and all(x.dtype == torch.float32 and x.stride(-1) == 1 for x in (q_raw, kv_raw, inv_freq))
+                and ring.stride(-1) == 1 and sm90_qkv_step.can_implement(d, 2 * inv_freq.numel(), eps)
+                and Sm90DecodeAttention.can_implement(heads, d))
+        if not fits:
+            return super().step_qkv(q_raw, kv_raw, kv_norm, ring, positions, inv_freq, turn, eps)
+        q = sm90_qkv_step.sm90_qkv_step(q_raw[:, 0], kv_raw[:, 0], self._f32(kv_norm), ring, positions, inv_freq, eps)
+        self.kernel_calls["step_qkv"] += 1
+        return q[:, None]
+
     # -- decode attention -----------------------------------------------------------------------------------------
     def decode_attention(self, q: torch.Tensor, kv_window: torch.Tensor, window_len: torch.Tensor,
                          kv_compressed: torch.Tensor | None, indices: torch.Tensor | None,
@@ -446,6 +470,7 @@ class HopperBackend(ReferenceBackend):
     def _warm_shapes(self, cfg, weights, dev: torch.device) -> None:
         """Ask every kernel family for what these weights need (inside ``cute_host.collecting``: nothing compiles)."""
         from nvfp4_megamoe.kernels import sm90_compressor, sm90_decode_attention, sm90_indexer, sm90_mhc, sm90_router
+        from nvfp4_megamoe.kernels import sm90_qkv_step
 
         layers = weights.layers.values()
         # the router: one kernel per layer kind (top-k with or without a bias; hash, per tid2eid dtype)
@@ -478,6 +503,12 @@ class HopperBackend(ReferenceBackend):
             # CSA and HCA both pass -1-padded indices (HCA: every valid row of its fixed-size store)
             modes = ("window",) + (("indexed",) if ratios - {0} else ())
             sm90_decode_attention.warmup(modes, cfg.num_heads, cfg.head_dim ** -0.5, dev)
+            # the step's query and key (``step_qkv``), for the query the attention kernel reads: one RoPE width a kind
+            # of layer (the main and the compressed layers' frequencies have the same length in V4: one kernel)
+            eps = float(cfg.rms_norm_eps)
+            widths = sorted({cfg.main_rope.dim, cfg.compress_rope.dim})
+            sm90_qkv_step.warmup([sm90_qkv_step.QkvStepConfig(cfg.head_dim, rd, eps) for rd in widths
+                                  if sm90_qkv_step.can_implement(cfg.head_dim, rd, eps)], dev)
         if 4 in ratios:
             sm90_indexer.warmup(cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, dev)
         rope_pairs = cfg.compress_rope.dim // 2

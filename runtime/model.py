@@ -321,7 +321,8 @@ class Model:
 
     def _attention(self, lw: LayerWeights, h, tables: PositionTables, attend):
         """Projections, RoPE and output of the attention sublayer; ``tables`` the call's positions' RoPE tables;
-        ``attend(a, h, qr, q, kv, freq)`` the core over the decode state."""
+        ``attend`` the core over the decode state (``runtime/attention.py``): ``attend.query_key`` norms and rotates
+        the query and key (a step: in one backend op that writes the key to the ring), ``attend(...)`` attends."""
         be, cfg, a = self.backend, self.config, lw.attn
         b, t, _ = h.shape
         eps = cfg.rms_norm_eps
@@ -329,9 +330,8 @@ class Model:
         turn = tables.turn(freq)                                # [B or 1, T, rd/2]
         q_low, kv = be.linears(h, (a.wq_a, a.wkv))              # one input: a backend may run them as one weight
         qr = be.rms_norm(q_low, a.q_norm, eps)                  # [B, T, q_lora]
-        q = be.rms_norm(be.linear(qr, a.wq_b).view(b, t, cfg.num_heads, cfg.head_dim), None, eps)
-        q = be.rotate_(q, turn[:, :, None])                      # in place: the norm's own output
-        kv = be.rotate_(be.rms_norm(kv, a.kv_norm, eps), turn)  # [B, T, D]
+        q = be.linear(qr, a.wq_b).view(b, t, cfg.num_heads, cfg.head_dim)
+        q, kv = attend.query_key(a, q, kv, freq, turn)          # [B, T, H, D], [B, T, D] (a step: None, in the ring)
         out = attend(a, h, qr, q, kv, freq, turn).float()       # float32 already: the core's own output
         out = be.rotate_(out, tables.turn(freq, inverse=True)[:, :, None])
         out = be.grouped_linear(out.reshape(b, t, cfg.o_groups, -1), a.wo_a, cfg.o_groups)

@@ -1,8 +1,8 @@
 """Compile, for sm_90a (no GPU), the kernel configurations the runtime can launch for V4-Flash and V4-Pro: the MoE
 plans a layer can pick (weights row-major and in row tiles), decode attention in its three modes with the clusters
 ``pick_cluster`` chooses and the combine kernel, the indexer's score and sort kernels, the mHC weights, the
-compressor step and the router; print, as JSON, each kernel's registers per thread and stack frame bytes (spills) read
-from its cubin.
+compressor step, the step's query and key and the router; print, as JSON, each kernel's registers per thread and stack
+frame bytes (spills) read from its cubin.
 
 ``--all`` compiles every configuration; without it, one GEMM (and one routing kernel) per configuration that differs
 only in its token tile (the widest tile, whose accumulators take the most registers) and every other kernel. ``--jobs N`` compiles in N
@@ -91,6 +91,7 @@ def jobs(every: bool) -> list[tuple]:
                                                              Sm90DecodeAttentionCombine)
     from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre
     from nvfp4_megamoe.kernels.sm90_compressor import Sm90CompressStep, stand_in_operands as compressor_operands
+    from nvfp4_megamoe.kernels.sm90_qkv_step import QkvStepConfig, Sm90QkvStep, stand_in_operands as qkv_operands
     from nvfp4_megamoe.kernels.sm90_router import RouterConfig
     from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Dequant, Sm90Fp8Linear
     from nvfp4_megamoe.kernels.sm90_heuristics import (compress_step_config, fp8_linear_config, fp8_linear_token_counts,
@@ -122,6 +123,9 @@ def jobs(every: bool) -> list[tuple]:
     for ratio, dim, overlap in ((4, 512, True), (4, 128, True), (128, 512, False)):
         config = compress_step_config(ratio, dim, overlap, 64, 1e-6)   # the cluster and groups the runtime picks
         record(Sm90CompressStep(config), compressor_operands(config, "cpu"))
+    # the decode step's query and key: V4's head_dim and RoPE width (Flash and Pro alike)
+    qkv = QkvStepConfig(dim=512, rope_dim=64, eps=1e-6)
+    record(Sm90QkvStep(qkv), qkv_operands(qkv, "cpu"))
     # the router: V4's top-k (with its bias) and hash kernels, and the widest softmax one (16 logits a lane, 32 slots)
     with cute_host.collecting() as routers:
         for (_, _, e), scaling in zip(MODELS, (1.5, 2.5)):
