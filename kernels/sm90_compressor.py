@@ -256,15 +256,11 @@ class Sm90CompressStep:
         #    shared memory in warp order: this CTA's partial; then every CTA's partial into every CTA's s_sum, added
         #    in rank order), so that every channel of the slot is scaled by the same float
         if grp == 0:
-            ss = pooled * pooled
-            for sh in cutlass.range_constexpr(5):
-                ss = ss + cute.arch.shuffle_sync_bfly(ss, 1 << sh)
+            ss = ptx.lane_sum(pooled * pooled)
             if tid % 32 == 0:
                 ptx.st_shared_f32(s_warp + (tid // 32) * 4, ss)
         cute.arch.sync_threads()
-        total = ptx.ld_shared_f32(s_warp)
-        for w in cutlass.range_constexpr(1, dc // 32):
-            total = total + ptx.ld_shared_f32(s_warp + w * 4)
+        total = ptx.shared_sum_f32(s_warp, dc // 32)
         if const_expr(n_cta > 1):
             cute.arch.cluster_wait()       # every peer has started (its arrive at the top): its shared memory is live
             if tid < n_cta:

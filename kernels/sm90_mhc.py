@@ -38,20 +38,6 @@ def _sigmoid(x: Float32) -> Float32:
     return Float32(1.0) / (Float32(1.0) + _exp(-x))
 
 
-def _lane_sum(v: Float32, first: int, count: int) -> Float32:
-    """Sum over the lanes that differ from this one in bits ``first .. first + count - 1`` (every such lane gets the
-    same float: each butterfly step adds the same two partial sums)."""
-    for b in range(first, first + count):
-        v = v + cute.arch.shuffle_sync_bfly(v, 1 << b)
-    return v
-
-
-def _lane_max(v: Float32, first: int, count: int) -> Float32:
-    for b in range(first, first + count):
-        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, 1 << b))
-    return v
-
-
 class Sm90HcPre:
     """The whole ``hc_pre`` of a token but the product by ``fn``: one CTA per token sums the squares of its
     streams, scales the raw products ``x @ fn.T`` by the RMS norm's reciprocal (the norm is one scalar per token, so
@@ -108,16 +94,13 @@ class Sm90HcPre:
         for c in cutlass.range(tidx, width // 4, PRE_THREADS, unroll=4):
             v = ptx.ld_global_v4_f32(x_row + Int64(c) * 16)
             ss = ss + v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3]
-        for sh in cutlass.range_constexpr(5):
-            ss = ss + cute.arch.shuffle_sync_bfly(ss, 1 << sh)
+        ss = ptx.lane_sum(ss)
         if tidx % 32 == 0:
             ptx.st_shared_f32(sb + (tidx // 32) * 4, ss)
         cute.arch.sync_threads()
         # 2. the first warp: the mixes (raw products over the RMS), the weights, pre into shared memory
         if tidx < 32:
-            total = ptx.ld_shared_f32(sb)
-            for w in cutlass.range_constexpr(1, n_warps):
-                total = total + ptx.ld_shared_f32(sb + w * 4)
+            total = ptx.shared_sum_f32(sb, n_warps)
             c, pre, post = self.token(mMM, mBase, mScale, t, tidx,
                                       cute.math.rsqrt(total / Float32(width) + Float32(self.norm_eps)))
             if tidx < hc * hc:
@@ -150,15 +133,12 @@ class Sm90HcPre:
                     for e in cutlass.range_constexpr(4):
                         vals[j * 4 + e] = acc[e]
                         sq = sq + acc[e] * acc[e]
-            for sh in cutlass.range_constexpr(5):
-                sq = sq + cute.arch.shuffle_sync_bfly(sq, 1 << sh)
+            sq = ptx.lane_sum(sq)
             # the per-warp sums reuse step 1's slots: the first warp read those before the barrier after step 2
             if tidx % 32 == 0:
                 ptx.st_shared_f32(sb + (tidx // 32) * 4, sq)
             cute.arch.sync_threads()
-            total = ptx.ld_shared_f32(sb)
-            for w in cutlass.range_constexpr(1, n_warps):
-                total = total + ptx.ld_shared_f32(sb + w * 4)
+            total = ptx.shared_sum_f32(sb, n_warps)
             r = cute.math.rsqrt(total / Float32(h) + Float32(self.norm_eps))
             for j in cutlass.range_constexpr(NORM_CHUNKS):
                 c = tidx + j * PRE_THREADS
@@ -191,12 +171,12 @@ class Sm90HcPre:
         eps = Float32(self.eps)
         e = lane % (hc * hc)
         logit = mMM[t, 2 * hc + e] * r * mScale[2] + mBase[2 * hc + e]
-        ex = _exp(logit - _lane_max(logit, 0, bits))               # softmax of the row, + eps
-        c = ex * (Float32(1.0) / _lane_sum(ex, 0, bits)) + eps
-        c = c * (Float32(1.0) / (_lane_sum(c, bits, bits) + eps))  # the first column normalisation
+        ex = _exp(logit - ptx.lane_max(logit, 0, bits))               # softmax of the row, + eps
+        c = ex * (Float32(1.0) / ptx.lane_sum(ex, 0, bits)) + eps
+        c = c * (Float32(1.0) / (ptx.lane_sum(c, bits, bits) + eps))  # the first column normalisation
         for _ in range(self.iters - 1):
-            c = c * (Float32(1.0) / (_lane_sum(c, 0, bits) + eps))
-            c = c * (Float32(1.0) / (_lane_sum(c, bits, bits) + eps))
+            c = c * (Float32(1.0) / (ptx.lane_sum(c, 0, bits) + eps))
+            c = c * (Float32(1.0) / (ptx.lane_sum(c, bits, bits) + eps))
         i = lane % hc
         pre = _sigmoid(mMM[t, i] * r * mScale[0] + mBase[i]) + eps
         post = Float32(2.0) * _sigmoid(mMM[t, hc + i] * r * mScale[1] + mBase[hc + i])

@@ -21,6 +21,7 @@ unless it stores or copies.
 
 from __future__ import annotations
 
+import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
@@ -290,6 +291,30 @@ def ld_shared_f32(smem: Int32, *, loc=None, ip=None) -> Float32:
 def st_shared_f32(smem: Int32, v: Float32, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [_i32(smem, loc, ip), _f32(v, loc, ip)], "st.shared.f32 [$0], $1;", "r,f",
                     has_side_effects=True, loc=loc, ip=ip)
+
+
+def shared_sum_f32(smem: Int32, count: int) -> Float32:
+    """The ``count`` floats from ``smem`` on added in index order (every thread that calls it gets the same float):
+    a block's total from its warps' partial sums."""
+    total = ld_shared_f32(smem)
+    for i in range(1, count):
+        total = total + ld_shared_f32(smem + i * 4)
+    return total
+
+
+def lane_sum(v: Float32, first: int = 0, count: int = 5) -> Float32:
+    """Sum over the lanes that differ from this one in bits ``first .. first + count - 1`` (the whole warp by
+    default; every such lane gets the same float: each butterfly step adds the same two partial sums)."""
+    for b in range(first, first + count):
+        v = v + cute.arch.shuffle_sync_bfly(v, 1 << b)
+    return v
+
+
+def lane_max(v: Float32, first: int = 0, count: int = 5) -> Float32:
+    """:func:`lane_sum`'s lanes' maximum."""
+    for b in range(first, first + count):
+        v = cute.arch.fmax(v, cute.arch.shuffle_sync_bfly(v, 1 << b))
+    return v
 
 
 # 16-byte shared-memory vectors of 32-bit floats ("f") or words ("r"): (PTX type, LLVM type, converter, MLIR type,

@@ -116,15 +116,11 @@ class Sm90QkvStep:
 
         # 2. RMSNorm: the sum of squares over the D channels (a butterfly per warp, the warps' sums through shared
         #    memory, added in one order by every thread, so that every channel is scaled by the same float)
-        ss = x0 * x0 + x1 * x1
-        for sh in cutlass.range_constexpr(5):
-            ss = ss + cute.arch.shuffle_sync_bfly(ss, 1 << sh)
+        ss = ptx.lane_sum(x0 * x0 + x1 * x1)
         if t % 32 == 0:
             ptx.st_shared_f32(s_warp + (t // 32) * 4, ss)
         cute.arch.sync_threads()
-        total = ptx.ld_shared_f32(s_warp)
-        for w in cutlass.range_constexpr(1, self.threads // 32):
-            total = total + ptx.ld_shared_f32(s_warp + w * 4)
+        total = ptx.shared_sum_f32(s_warp, self.threads // 32)
         scale = cute.math.rsqrt(total / Float32(d) + Float32(self.eps))
         y0 = x0 * scale
         y1 = x1 * scale

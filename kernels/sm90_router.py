@@ -124,14 +124,12 @@ class _Sm90Router:
         for j in cutlass.range_constexpr(self.per_lane):
             if lane + 32 * j < self.config.experts:
                 m = cute.arch.fmax(m, x[j])
-        for b in cutlass.range_constexpr(5):
-            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, 1 << b))
+        m = ptx.lane_max(m)
         total = Float32(0.0)
         for j in cutlass.range_constexpr(self.per_lane):
             if lane + 32 * j < self.config.experts:
                 total = total + cute.math.exp(x[j] - m)
-        for b in cutlass.range_constexpr(5):
-            total = total + cute.arch.shuffle_sync_bfly(total, 1 << b)
+        total = ptx.lane_sum(total)
         return m, total
 
     def softmax_score(self, x: Float32, m: Float32, total: Float32) -> Float32:
