@@ -81,8 +81,9 @@ def _fp8(rows: int, k: int, gen: torch.Generator, scale_dtype=torch.uint8):
     from nvfp4_megamoe.runtime.weights import Fp8Linear
 
     w = torch.randint(0, 256, (rows, k), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
-    s = (torch.randint(120, 130, (rows // 128, k // 128), dtype=torch.uint8, generator=gen) if scale_dtype == torch.uint8
-         else torch.rand(rows // 128, k // 128, generator=gen))
+    blocks = (rows // 128, k // 128)
+    s = (torch.randint(120, 130, blocks, dtype=torch.uint8, generator=gen) if scale_dtype == torch.uint8
+         else torch.rand(blocks, generator=gen))
     return Fp8Linear(w, s)
 
 
