@@ -168,6 +168,23 @@ def _starts(ratio: int, b: int, large: bool, gen) -> torch.Tensor:
     return torch.tensor((fixed + random)[:b], dtype=torch.int64)
 
 
+def _steps_match_reference(ratio: int, d: int, overlap: bool, starts: torch.Tensor, gen, steps: int, what: str,
+                           config: CompressStepConfig | None = None) -> None:
+    """``steps`` consecutive steps from one random state, slots at ``starts``, through the kernel (``_kernel_step``)
+    and the reference; after every step the whole state agrees (``_assert_state_equal``)."""
+    got, want = _states(ratio, d, overlap, starts, torch.bfloat16, "cuda", gen, extra=4)
+    ape, norm = _weights(ratio, d, overlap, "cuda", gen)
+    freq, ref = _freq("cuda"), ReferenceBackend()
+    positions = starts.cuda()
+    for step in range(steps):
+        kv, gate = _projections(starts.numel(), 2 * d if overlap else d, "cuda", gen)
+        _kernel_step(kv, gate, got, ape, norm, positions, freq, config)
+        ref.compress_step(kv, gate, want, ape, norm, positions, freq, EPS)
+        torch.cuda.synchronize()
+        _assert_state_equal(got, want, f"{what} step {step}")
+        positions += 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("b,large", [(1, False), (2, True), (3, True), (64, False)])
@@ -179,17 +196,7 @@ def test_kernel_matches_reference_over_steps(shape, b, large):
     starts = _starts(ratio, b, large, torch.Generator().manual_seed(b))
     if b == 1 and large is False:
         starts = torch.tensor([ratio - 2])   # one slot: a window that closes on the second step
-    got, want = _states(ratio, d, overlap, starts, torch.bfloat16, "cuda", gen, extra=4)
-    ape, norm = _weights(ratio, d, overlap, "cuda", gen)
-    freq, ref = _freq("cuda"), ReferenceBackend()
-    positions = starts.cuda()
-    for step in range(2 * ratio + 1 if ratio <= 8 else 6):
-        kv, gate = _projections(b, 2 * d if overlap else d, "cuda", gen)
-        _kernel_step(kv, gate, got, ape, norm, positions, freq)
-        ref.compress_step(kv, gate, want, ape, norm, positions, freq, EPS)
-        torch.cuda.synchronize()
-        _assert_state_equal(got, want, f"{shape} B={b} step {step}")
-        positions += 1
+    _steps_match_reference(ratio, d, overlap, starts, gen, 2 * ratio + 1 if ratio <= 8 else 6, f"{shape} B={b}")
 
 
 @pytest.mark.gpu
@@ -202,17 +209,8 @@ def test_other_configurations_match_reference(name, b):
     ratio, d, overlap = config.ratio, config.dim, config.overlap
     gen = torch.Generator(device="cuda").manual_seed(ratio + d + b + 1)
     starts = _starts(ratio, b, True, torch.Generator().manual_seed(b)) if b > 1 else torch.tensor([ratio - 2])
-    got, want = _states(ratio, d, overlap, starts, torch.bfloat16, "cuda", gen, extra=4)
-    ape, norm = _weights(ratio, d, overlap, "cuda", gen)
-    freq, ref = _freq("cuda"), ReferenceBackend()
-    positions = starts.cuda()
-    for step in range(2 * ratio + 1 if ratio <= 16 else 4):
-        kv, gate = _projections(b, 2 * d if overlap else d, "cuda", gen)
-        _kernel_step(kv, gate, got, ape, norm, positions, freq, config)
-        ref.compress_step(kv, gate, want, ape, norm, positions, freq, EPS)
-        torch.cuda.synchronize()
-        _assert_state_equal(got, want, f"{name} B={b} step {step}")
-        positions += 1
+    _steps_match_reference(ratio, d, overlap, starts, gen, 2 * ratio + 1 if ratio <= 16 else 4, f"{name} B={b}",
+                           config)
 
 
 @pytest.mark.gpu
