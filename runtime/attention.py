@@ -98,11 +98,9 @@ class ChunkAttention:
 
     def query_key(self, a: AttentionWeights, q, kv, freq, turn):
         """The query [n, T, H, D] RMS-normalised per head (no weight) and the key [n, T, D] by ``a.kv_norm``, both
-        rotated by ``turn`` [n or 1, T, rd/2]; the ring is written in :meth:`__call__`, after it is read."""
-        be, eps = self.be, self.cfg.rms_norm_eps
-        q = be.rotate_(be.rms_norm(q, None, eps), turn[:, :, None])   # in place: the norm's own output
-        kv = be.rotate_(be.rms_norm(kv, a.kv_norm, eps), turn)
-        return q, kv
+        rotated by ``turn`` [n or 1, T, rd/2] (``Backend.query_key``); the ring is written in :meth:`__call__`, after
+        it is read."""
+        return self.be.query_key(q, kv, a.kv_norm, turn, self.cfg.rms_norm_eps)
 
     def __call__(self, a: AttentionWeights, h, qr, q, kv, freq, turn):
         be, cfg, st, rows, positions, pos0 = self.be, self.cfg, self.st, self.rows, self.positions, self.pos0
@@ -182,13 +180,13 @@ class StepAttention:
     :class:`StepTables`, shared by its layers)."""
 
     def __init__(self, backend, config: ModelConfig, st: LayerState, tables: StepTables):
-        self.be, self.cfg, self.st, self.tables, self.pos = backend, config, st, tables, tables.pos
+        self.be, self.cfg, self.st, self.tables = backend, config, st, tables
 
     def query_key(self, a: AttentionWeights, q, kv, freq, turn):
         """``Backend.step_qkv``: the query [B, 1, H, D] normed and rotated (in the dtype the backend's
         ``decode_attention`` reads), the key normed, rotated and written to each slot's ring row ``pos % W``; no key
         is handed on (None): the ring holds it."""
-        q = self.be.step_qkv(q, kv, a.kv_norm, self.st.window, self.pos, freq, turn, self.cfg.rms_norm_eps)
+        q = self.be.step_qkv(q, kv, a.kv_norm, self.st.window, self.tables.pos, freq, turn, self.cfg.rms_norm_eps)
         return q, None
 
     def __call__(self, a: AttentionWeights, h, qr, q, kv, freq, turn):
@@ -217,4 +215,4 @@ class StepAttention:
     def _compress(self, cw: CompressorWeights, kv, gate, cs: CompressorState, freq) -> None:
         """The slots' projections ``kv``, ``gate`` [B, C] into one compressor's state
         (:meth:`ReferenceBackend.compress_step`)."""
-        self.be.compress_step(kv, gate, cs, cw.ape, cw.norm, self.pos, freq, self.cfg.rms_norm_eps)
+        self.be.compress_step(kv, gate, cs, cw.ape, cw.norm, self.tables.pos, freq, self.cfg.rms_norm_eps)

@@ -121,6 +121,13 @@ class ReferenceBackend:
     compress_windows = staticmethod(compressor_reference.compress_windows)
     chunk_topk = staticmethod(indexer_reference.topk_in_blocks)
 
+    def query_key(self, q_raw: torch.Tensor, kv_raw: torch.Tensor, kv_norm: torch.Tensor, turn: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's query ``q_raw`` [B, T, H, D] RMS-normalised per head without a weight and its key ``kv_raw``
+        [B, T, D] by ``kv_norm`` (both ``eps``), both rotated by ``turn`` [B or 1, T, rd/2] (:meth:`rope_turn`)."""
+        q = self.rotate_(self.rms_norm(q_raw, None, eps), turn[:, :, None])   # in place: the norm's own output
+        return q, self.rotate_(self.rms_norm(kv_raw, kv_norm, eps), turn)
+
     # -- decode (one token per sequence): the operands the GPU decode kernels take ----------------
     def step_qkv(self, q_raw: torch.Tensor, kv_raw: torch.Tensor, kv_norm: torch.Tensor, ring: torch.Tensor,
                  positions: torch.Tensor, inv_freq: torch.Tensor, turn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -131,8 +138,7 @@ class ReferenceBackend:
         [rd/2], which a kernel computes from instead); the key is written, in the ring's dtype, to row
         ``positions % W`` of ``ring`` [B, W, D], in place. Returns the rotated query [B, 1, H, D]: float32 here, in
         the dtype its ``decode_attention`` reads on a backend whose kernel rounds it anyway (the Hopper one: BF16)."""
-        q = self.rotate_(self.rms_norm(q_raw, None, eps), turn[:, :, None])   # in place: the norm's own output
-        kv = self.rotate_(self.rms_norm(kv_raw, kv_norm, eps), turn)
+        q, kv = self.query_key(q_raw, kv_raw, kv_norm, turn, eps)
         b, window, d = ring.shape
         ring.scatter_(1, (positions % window).view(b, 1, 1).expand(b, 1, d), kv.to(ring.dtype))
         return q
