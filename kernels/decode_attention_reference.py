@@ -50,6 +50,13 @@ def decode_attention_reference(q: torch.Tensor, kv_window: torch.Tensor, window_
                                sink: torch.Tensor, scale: float) -> torch.Tensor:
     """float32 [B, H, D] (all arithmetic in float32), through ``attention_reference.sink_attention``."""
     keys, valid = gather_keys(kv_window, window_len, kv_compressed, indices)
+    return attend_gathered(q, keys, valid, sink, scale)
+
+
+def attend_gathered(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """q [B, H, D] against its own keys [B, S, D] (``valid`` [B, S]) and the sink -> float32 [B, H, D], through
+    ``attention_reference.sink_attention``."""
     bias = torch.zeros(valid.shape, dtype=torch.float32, device=q.device).masked_fill(~valid, float("-inf"))
     # invalid rows hold arbitrary bytes: zero them so that 0 * NaN cannot reach the output
     keys = keys.float().masked_fill(~valid.unsqueeze(-1), 0.0)

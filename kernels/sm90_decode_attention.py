@@ -44,6 +44,13 @@ small grid, its splits run as one thread-block cluster and merge their O through
 not launched. ``sm90_heuristics.pick_splits`` keeps the split kernel to at most one wave (one CTA per SM) and
 does not split once the requests alone fill the SMs. The pipeline is chunks of 64 entries in a ring of 2;
 the variants measured and not kept are in ``docs/design/decode_attention.md``.
+
+Prefill (:class:`Sm90PrefillAttention`, host :func:`sm90_prefill_attention`, contract
+``prefill_attention_reference``): every query token of a chunk attends to its own key set (its window, its top-k or
+its visible HCA entries), so T tokens of a sequence are T requests of the same kernel, reading their sequence's
+rows and entries in place (no keys copied per request): a request's window is a span of its sequence's rows and its
+list is that span then its entries. One compile-time flag (``shared``) selects the addressing; the decode form's
+code is the same as without it.
 """
 
 from __future__ import annotations
@@ -100,6 +107,8 @@ class Sm90DecodeAttention:
     are placeholders (any tensors of those dtypes and ranks).
     """
 
+    shared = False   # decode: every request its own ring and entries (the prefill form: Sm90PrefillAttention)
+
     @staticmethod
     def can_implement(heads: int, head_dim: int) -> bool:
         """Whether the kernel takes a model's attention: 512-dim heads, a multiple of 64 of them."""
@@ -135,18 +144,27 @@ class Sm90DecodeAttention:
     def __call__(self, mQ: cute.Tensor, mKvw: cute.Tensor, mWlen: cute.Tensor, mKvc: cute.Tensor,
                  mIdx: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor, mOpart: cute.Tensor,
                  mML: cute.Tensor, stream):
+        self.launch_on(self.kernel(mQ, mKvw, mWlen, mKvc, mIdx, mSink, mOut, mOpart, mML), mQ, mML, stream)
+
+    def launch_on(self, kernel, mQ: cute.Tensor, mML: cute.Tensor, stream) -> None:
+        """Launch ``kernel`` on the grid (splits, H / 64, requests), as one cluster of the splits where it has one."""
         grid = [mML.shape[2] * self.cluster, mQ.shape[1] // HEADS_PER_CTA, mQ.shape[0]]
         if const_expr(self.cluster > 1):
-            self.kernel(mQ, mKvw, mWlen, mKvc, mIdx, mSink, mOut, mOpart, mML).launch(
-                grid=grid, block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1], stream=stream)
+            kernel.launch(grid=grid, block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1], stream=stream)
         else:
-            self.kernel(mQ, mKvw, mWlen, mKvc, mIdx, mSink, mOut, mOpart, mML).launch(
-                grid=grid, block=[THREADS, 1, 1], stream=stream)
+            kernel.launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mKvw: cute.Tensor, mWlen: cute.Tensor, mKvc: cute.Tensor,
                mIdx: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor, mOpart: cute.Tensor,
                mML: cute.Tensor):
+        self.attend(mQ, mKvw, mWlen, mWlen, mKvc, mIdx, mSink, mOut, mOpart, mML)  # no window starts: a ring each
+
+    @cute.jit
+    def attend(self, mQ: cute.Tensor, mKvw: cute.Tensor, mWstart: cute.Tensor, mWlen: cute.Tensor,
+               mKvc: cute.Tensor, mIdx: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor, mOpart: cute.Tensor,
+               mML: cute.Tensor):
+        """The split kernel's body, request ``b`` the grid's z (``mWstart`` is read in the prefill form only)."""
         tidx, _, _ = cute.arch.thread_idx()
         split, hb, b = cute.arch.block_idx()
         cute.arch.griddepcontrol_launch_dependents()  # the combine (PDL) may take its SM slots now; it waits for this grid
@@ -166,6 +184,16 @@ class Sm90DecodeAttention:
         if const_expr(self.mode == "dense"):
             K = mKvc.shape[1]
             N = mKvc.shape[1]
+        seq = b                       # whose rows and entries: the request's own (decode)
+        wstart = Int32(0)
+        if const_expr(self.shared):
+            # prefill: request b reads the rows and entries of its sequence, its window is its own span of them and
+            # its list holds exactly that window (no ring slots to skip), then its entries
+            seq = b // (mQ.shape[0] // mKvw.shape[0])
+            wstart = mWstart[b]
+            W = mWlen[b]
+            if const_expr(self.mode == "dense"):
+                K = cutlass.min(cutlass.max(mIdx[b, 0], Int32(0)), N)   # HCA: entries [0, count)
         n_chunks = (W + K + C - 1) // C
         c_begin = split * n_chunks // n_splits          # balanced: split sizes differ by at most one chunk
         n_mine = (split + 1) * n_chunks // n_splits - c_begin
@@ -187,7 +215,7 @@ class Sm90DecodeAttention:
         for st in cutlass.range_constexpr(self.stages - 1):
             if n_mine > st:
                 self.load_chunk(mKvw, mKvc, sbase, b, wlen, W, N, c_begin + st, Int32(st), r, sub,
-                                self.fetch_index(mIdx, b, W, K, c_begin + st, r))
+                                self.fetch_index(mIdx, b, W, K, c_begin + st, r), seq, wstart)
             cute.arch.cp_async_commit_group()
         # CSA: the entry index of this thread's row in the next chunk to load, read one iteration ahead
         # so that its latency is not on the chunk's path (load, then gather)
@@ -212,7 +240,7 @@ class Sm90DecodeAttention:
             nxt = it + self.stages - 1
             if nxt < n_mine:
                 self.load_chunk(mKvw, mKvc, sbase, b, wlen, W, N, c_begin + nxt, nxt % self.stages, r, sub,
-                                idx_next)
+                                idx_next, seq, wstart)
             idx_next = self.fetch_index(mIdx, b, W, K, c_begin + nxt + 1, r)
             cute.arch.cp_async_commit_group()
             warpgroup.fence()
@@ -443,22 +471,30 @@ class Sm90DecodeAttention:
     @cute.jit
     def load_chunk(self, mKvw: cute.Tensor, mKvc: cute.Tensor, sbase: Int32, b: Int32,
                    wlen: Int32, W: Int32, N: Int32, chunk: Int32, slot: Int32,
-                   r: Int32, sub: Int32, idx: Int32):
+                   r: Int32, sub: Int32, idx: Int32, seq: Int32, wstart: Int32):
         """Thread (r, sub) gathers ``upt`` of the 64 16-byte pieces of row r of the chunk (``idx``: its
-        :meth:`fetch_index`), and its mask bias."""
+        :meth:`fetch_index`), and its mask bias. Prefill: window entry e is row ``wstart + e`` of sequence ``seq``'s
+        rows (zero-filled outside them), entries are ``seq``'s."""
         e = chunk * self.chunk + r
         src = mKvw.iterator.toint()
         nbytes = Int32(0)
         if e < W:
-            if e < wlen:
-                nbytes = Int32(16)
-                src = src + (Int64(b) * W + Int64(e)) * ROW
+            if const_expr(self.shared):
+                row = wstart + e
+                if row >= 0:
+                    if row < mKvw.shape[1]:
+                        nbytes = Int32(16)
+                        src = src + (Int64(seq) * mKvw.shape[1] + Int64(row)) * ROW
+            else:
+                if e < wlen:
+                    nbytes = Int32(16)
+                    src = src + (Int64(b) * W + Int64(e)) * ROW
         else:
             if const_expr(self.mode != "window"):
                 if idx >= 0:
                     if idx < N:
                         nbytes = Int32(16)
-                        src = mKvc.iterator.toint() + (Int64(b) * N + Int64(idx)) * ROW
+                        src = mKvc.iterator.toint() + (Int64(seq) * N + Int64(idx)) * ROW
         dst = sbase + self.off_kv + slot * self.kv_bytes + r * ATOM
         for i in cutlass.range_constexpr(self.upt):
             seg = sub + self.tpr * i
@@ -469,6 +505,39 @@ class Sm90DecodeAttention:
             if nbytes == 0:
                 bias = Float32(-math.inf)
             ptx.st_shared_f32(sbase + self.off_bias + slot * (self.chunk * 4) + r * 4, bias)
+
+
+class Sm90PrefillAttention(Sm90DecodeAttention):
+    """The split kernel with T query tokens of a sequence as T requests sharing that sequence's key rows
+    (contract: ``prefill_attention_reference``), one compiled configuration (``mode``, ``scale``, ``cluster`` as
+    :class:`Sm90DecodeAttention`'s).
+
+    Operands (all contiguous): ``q`` bf16 [R, H, 512] (request r of sequence ``r // (R / S)``), ``rows`` bf16
+    [S, L, 512], ``window_start`` and ``window_len`` int32 [R] (request r's window: rows ``[start, start + len)`` of
+    its sequence; rows outside ``[0, L)`` read as masked), ``kv_compressed`` bf16 [S, N, 512], ``picked`` int32:
+    ``"indexed"`` the indices [R, K] into its sequence's entries (-1 pads), ``"dense"`` the count [R, 1] (request r
+    sees entries ``[0, count)``), ``sink``, ``out``, ``o_part``, ``ml`` as the decode form's ([R, ...]). A request's
+    list is its window's ``window_len`` entries then its K (or count) entries, so a short window or a small count
+    costs no chunk of masked entries.
+    """
+
+    shared = True
+
+    def key(self) -> tuple:
+        return (*super().key(), "prefill")
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mRows: cute.Tensor, mWstart: cute.Tensor, mWlen: cute.Tensor,
+                 mKvc: cute.Tensor, mIdx: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor, mOpart: cute.Tensor,
+                 mML: cute.Tensor, stream):
+        self.launch_on(self.kernel(mQ, mRows, mWstart, mWlen, mKvc, mIdx, mSink, mOut, mOpart, mML), mQ, mML,
+                       stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mRows: cute.Tensor, mWstart: cute.Tensor, mWlen: cute.Tensor,
+               mKvc: cute.Tensor, mIdx: cute.Tensor, mSink: cute.Tensor, mOut: cute.Tensor, mOpart: cute.Tensor,
+               mML: cute.Tensor):
+        self.attend(mQ, mRows, mWstart, mWlen, mKvc, mIdx, mSink, mOut, mOpart, mML)
 
 
 MAX_SPLITS = 1024
@@ -618,37 +687,111 @@ def sm90_decode_attention(q, kv_window, window_len, kv_compressed, indices, sink
             mode, kvc, idx, k = "indexed", kv_compressed, indices, indices.shape[1]
     for name, t in (("q", q), ("kv_window", kv_window), ("kv_compressed", kvc), ("indices", idx)):
         _expect(t.is_cuda and t.is_contiguous(), f"{name} must be a contiguous CUDA tensor")
+    return _run_splits(Sm90DecodeAttention, mode, scale, q, [kv_window, window_len, kvc, idx], sink, w + k, out,
+                       splits, cluster)
+
+
+def _run_splits(kind: type, mode: str, scale: float, q, keys: list, sink, entries: int, out, splits: int | None,
+                cluster: int | None):
+    """Launch ``kind``'s split kernel on ``q``, its key operands ``keys`` and ``sink`` (the splits and cluster as
+    :func:`sm90_decode_attention` documents them, picked for lists of up to ``entries`` entries), then the combine
+    kernel where partials go through HBM; returns ``out`` (allocated when None)."""
+    import torch
+    b, h, d = q.shape
     if out is None:
         out = torch.empty(b, h, d, dtype=torch.bfloat16, device=q.device)
     _expect(out.dtype == torch.bfloat16 and tuple(out.shape) == (b, h, d) and out.is_contiguous(),
             "out must be contiguous bf16 [B, H, 512]")
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     if splits is None:
-        splits = pick_splits(b, h, w + k, sms)
+        splits = pick_splits(b, h, entries, sms)
         if cluster is None:
-            cluster = pick_cluster(b, h, w + k, sms)
+            cluster = pick_cluster(b, h, entries, sms)
         if cluster is not None and cluster > 1:
             splits = cluster
     cluster = 1 if cluster is None else cluster
     _expect(1 <= splits <= MAX_SPLITS, f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     _expect(cluster == 1 or splits == cluster, f"a cluster holds all the splits: splits={splits}, cluster={cluster}")
-    kernel = Sm90DecodeAttention(mode=mode, scale=scale, cluster=cluster)
+    kernel = kind(mode=mode, scale=scale, cluster=cluster)
     parts = splits // cluster          # partials through HBM to the combine kernel (1: none)
     wkey = (q.device, b, h, parts)
     if wkey not in _WORKSPACE:
         o_part = torch.empty((b, h, parts, d) if parts > 1 else (1, 1, 1, 4), dtype=torch.float32, device=q.device)
         _WORKSPACE[wkey] = (o_part, torch.empty(b, h, parts, 2, dtype=torch.float32, device=q.device))
     o_part, ml = _WORKSPACE[wkey]
-    _launch(kernel, [q, kv_window, window_len, kvc, idx, sink, out, o_part, ml])
+    _launch(kernel, [q, *keys, sink, out, o_part, ml])
     if parts > 1:
         _launch(Sm90DecodeAttentionCombine(groups=4 if parts >= 8 else 1), [o_part, ml, sink, out])
     return out
 
 
-def warmup(modes: tuple[str, ...], heads: int, scale: float, device) -> int:
+MAX_REQUESTS = 65535   # the grid's z (CUDA's limit): requests of one call
+
+
+def sm90_prefill_attention(q, rows, window_start, window_len, kv_compressed, indices, sink, scale: float, *,
+                           count=None, max_window: int | None = None, out=None, splits: int | None = None,
+                           cluster: int | None = None):
+    """T query tokens of each of S sequences as R = S * T requests of the decode kernel that share their sequence's
+    keys (:class:`Sm90PrefillAttention`) on Hopper (sm_90a); returns BF16 ``out`` [R, H, 512].
+
+    Args (contract and semantics: ``prefill_attention_reference``; everything contiguous, on one GPU):
+        q: bf16 [R, H, 512], rotated, H a multiple of 64; request r belongs to sequence ``r // (R / S)``.
+        rows: bf16 [S, L, 512], each sequence's window keys (its past window rows, then the chunk's rows).
+        window_start, window_len: int32 [R]: request r attends to rows ``[window_start[r], window_start[r] +
+            window_len[r])`` of its sequence (its own row included; rows outside ``[0, L)`` count as masked).
+        kv_compressed: bf16 [S, N, 512] or None (window-only layer).
+        indices: int32 [R, K] into its sequence's ``kv_compressed`` (-1 = padding, anywhere; CSA top-k), or None.
+        count: int32 [R] (HCA, with ``indices`` None): request r sees entries ``[0, count[r])`` (clamped to [0, N]);
+            None with ``kv_compressed`` and no ``indices``: all N entries.
+        sink: float32 [H]. scale: the logit scale (512**-0.5).
+        max_window: the most entries a window holds (the model's sliding window), for the split choice only (None:
+            L). out, splits, cluster: as :func:`sm90_decode_attention`'s.
+
+    R is at most ``MAX_REQUESTS``; S must divide R. No host sync; CUDA-graph capturable after one warm-up call (an
+    HCA call without ``count`` allocates its all-N counts at each call). The output is not inverse-RoPE'd.
+    """
+    import torch
+    r, h, d = q.shape
+    _expect(d == HEAD_DIM and h % HEADS_PER_CTA == 0 and q.dtype == torch.bfloat16,
+            f"q must be bf16 [R, H (multiple of {HEADS_PER_CTA}), {HEAD_DIM}], got {q.dtype} {tuple(q.shape)}")
+    _expect(0 < r <= MAX_REQUESTS, f"the prefill kernel takes 1 to {MAX_REQUESTS} requests, got {r}")
+    _expect(rows.dtype == torch.bfloat16 and rows.dim() == 3 and rows.shape[2] == d and rows.shape[0] > 0
+            and r % rows.shape[0] == 0, f"rows must be bf16 [S, L, {d}] with S dividing R={r}, got {rows.dtype} "
+            f"{tuple(rows.shape)}")
+    s = rows.shape[0]
+    for name, t in (("window_start", window_start), ("window_len", window_len)):
+        _expect(t.dtype == torch.int32 and tuple(t.shape) == (r,), f"{name} must be int32 [R={r}]")
+    _expect(sink.dtype == torch.float32 and tuple(sink.shape) == (h,), f"sink must be float32 [H={h}]")
+    k = 0
+    if kv_compressed is None:
+        _expect(indices is None and count is None, "indices and count need kv_compressed")
+        mode, kvc, picked = "window", rows, window_len.view(r, 1)
+    else:
+        _expect(kv_compressed.dtype == torch.bfloat16 and kv_compressed.dim() == 3 and kv_compressed.shape[0] == s
+                and kv_compressed.shape[2] == d, f"kv_compressed must be bf16 [S={s}, N, {d}]")
+        kvc, n = kv_compressed, kv_compressed.shape[1]
+        if indices is not None:
+            _expect(count is None, "give indices (CSA) or count (HCA), not both")
+            _expect(indices.dtype == torch.int32 and indices.dim() == 2 and indices.shape[0] == r,
+                    f"indices must be int32 [R={r}, K], got {indices.dtype} {tuple(indices.shape)}")
+            mode, picked, k = "indexed", indices, indices.shape[1]
+        else:
+            if count is None:
+                count = torch.full((r,), n, dtype=torch.int32, device=q.device)
+            _expect(count.dtype == torch.int32 and tuple(count.shape) == (r,), f"count must be int32 [R={r}]")
+            mode, picked, k = "dense", count.view(r, 1), n
+    for name, t in (("q", q), ("rows", rows), ("window_start", window_start), ("window_len", window_len),
+                    ("kv_compressed", kvc), ("indices or count", picked)):
+        _expect(t.is_cuda and t.is_contiguous(), f"{name} must be a contiguous CUDA tensor")
+    window = rows.shape[1] if max_window is None else min(max_window, rows.shape[1])
+    return _run_splits(Sm90PrefillAttention, mode, scale, q, [rows, window_start, window_len, kvc, picked], sink,
+                       window + k, out, splits, cluster)
+
+
+def warmup(modes: tuple[str, ...], heads: int, scale: float, device, *, prefill: bool = False) -> int:
     """Compile the split kernel in ``modes`` with every cluster, and both combine kernels (what
-    :func:`sm90_decode_attention` can launch for a model with ``heads`` heads and logit ``scale``); returns how
-    many kernels."""
+    :func:`sm90_decode_attention` can launch for a model with ``heads`` heads and logit ``scale``; with ``prefill``
+    also what :func:`sm90_prefill_attention` can); returns how many kernels."""
     import torch
     bf = dict(dtype=torch.bfloat16, device=device)
     b, w, n, s = 1, 2, 2, 2  # sizes are dynamic: the kernels specialise on dtypes and ranks
@@ -665,6 +808,10 @@ def warmup(modes: tuple[str, ...], heads: int, scale: float, device) -> int:
             _compile(Sm90DecodeAttention(mode=mode, scale=scale, cluster=cluster),
                      [q, kv, wlen, *operands, sink, out, o_part, ml])
             count += 1
+            if prefill:  # window starts beside the lengths; HCA's counts [R, 1] have the indices' dtype and rank
+                _compile(Sm90PrefillAttention(mode=mode, scale=scale, cluster=cluster),
+                         [q, kv, wlen, wlen, *operands, sink, out, o_part, ml])
+                count += 1
     for groups in (1, 4):
         _compile(Sm90DecodeAttentionCombine(groups), [o_part, ml, sink, out])
         count += 1

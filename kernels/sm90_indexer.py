@@ -21,6 +21,12 @@ the head weights and the sum over heads in registers (two shuffles), and writes 
 key: 8 bytes out per ``2 d`` bytes read, where the torch composition (``indexer_keys``) writes and rereads a
 float32 ``[B, h, N]`` and then builds the keys in six more ops. No host sync; CUDA-graph capturable.
 
+Prefill: a chunk's T query tokens are T requests whose keys are their sequence's, read in place
+(``sm90_indexer_keys`` with keys [S, N, d], ``Sm90IndexerScores(shared=True)``). Limits: at most ``MAX_ROWS``
+(65,535) requests a call in both kernels (the grid's y); any N in the score kernel (its output is R x N int64:
+8 GiB at R = 65,535 and N = 16,384, so a long prompt's chunk is cut by the caller); the sort takes any N for
+k <= 2,048 (segment passes) and N <= 4,096 beyond.
+
 The runtime's backend decides which shapes run here (:meth:`Sm90IndexerScores.can_implement`,
 :func:`topk_can_implement`, and ``sm90_heuristics.sort_topk_pays``).
 """
@@ -47,6 +53,7 @@ SORT_SIZES = (2048, 4096)
 SEGMENT = SORT_SIZES[-1]               # keys per segment of a segment pass
 SEGMENT_MAX_K = SEGMENT // 2           # the largest k a segment pass shortens the list for
 SORT_THREADS = 1024
+MAX_ROWS = 65535                       # requests (lists) of one call: the grid's y, CUDA's limit
 
 
 def _smem_bytes(heads: int, dim: int) -> int:
@@ -62,13 +69,18 @@ def scores_can_implement(heads: int, dim: int) -> bool:
 
 
 def sm90_indexer_keys(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
-                      n_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """q bf16 [B, h, d], keys bf16 [B, N, d], weights f32 [B, h], n_valid int [B] (None: all N) ->
+                      n_valid: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q bf16 [B, h, d], keys bf16 [S, N, d], weights f32 [B, h], n_valid int [B] (None: all N) ->
     int64 [B, N] ``ordered_key`` of the scores (-inf beyond ``n_valid``), written by the score kernel
-    (h, d: :meth:`Sm90IndexerScores.can_implement`)."""
+    (h, d: :meth:`Sm90IndexerScores.can_implement`) into ``out`` (allocated when None).
+
+    S = B: every request its own keys (decode). S < B (S dividing B): the B / S consecutive requests of each
+    sequence share its keys, read in place (prefill: a chunk's query tokens; ``Sm90IndexerScores(shared=True)``,
+    which skips the product of chunks wholly past a request's ``n_valid``). B is at most ``MAX_ROWS``."""
     b, h, d = q.shape
-    _expect(keys.dim() == 3 and keys.shape[0] == b and keys.shape[2] == d,
-            f"keys must be [B={b}, N, d={d}], got {tuple(keys.shape)}")
+    _expect(keys.dim() == 3 and keys.shape[0] > 0 and b % keys.shape[0] == 0 and keys.shape[2] == d,
+            f"keys must be [S, N, d={d}] with S dividing B={b}, got {tuple(keys.shape)}")
+    _expect(b <= MAX_ROWS, f"the score kernel takes at most {MAX_ROWS} requests, got {b}")
     _expect(tuple(weights.shape) == (b, h), f"weights must be [B={b}, h={h}], got {tuple(weights.shape)}")
     _expect(q.is_cuda and q.dtype == keys.dtype == torch.bfloat16 and Sm90IndexerScores.can_implement(h, d),
             f"the score kernel takes CUDA bf16 q [B, h, d] with h a multiple of 8 up to 256 and d of 64, got "
@@ -76,14 +88,17 @@ def sm90_indexer_keys(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor
     n = keys.shape[1]
     nv = (torch.full((b,), n, dtype=torch.int32, device=q.device) if n_valid is None
           else n_valid.to(device=q.device, dtype=torch.int32).contiguous())
-    out = torch.empty(b, n, dtype=torch.int64, device=q.device)
+    if out is None:
+        out = torch.empty(b, n, dtype=torch.int64, device=q.device)
+    _expect(out.dtype == torch.int64 and tuple(out.shape) == (b, n) and out.is_contiguous(),
+            f"out must be contiguous int64 [B={b}, N={n}]")
     if n == 0 or b == 0:
         return out
     chunks = -(-n // KEYS_PER_CHUNK)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     splits = max(1, min(chunks, 2 * sms // b))  # two CTAs per SM in one wave, no empty split
     grid_x = torch.empty(1, splits, dtype=torch.int32, device=q.device)  # carries the split count (shape only)
-    _launch(Sm90IndexerScores(heads=h, dim=d),
+    _launch(Sm90IndexerScores(heads=h, dim=d, shared=keys.shape[0] != b),
             [q.contiguous(), keys.contiguous(), weights.float().contiguous(), nv, out, grid_x])
     return out
 
@@ -121,6 +136,7 @@ def sm90_topk_of_keys(key: torch.Tensor, k: int) -> torch.Tensor:
     _expect(key.dtype == torch.int64 and key.dim() == 2 and key.is_cuda,
             f"keys must be int64 CUDA [B, N], got {key.dtype} {tuple(key.shape)}")
     _expect(topk_can_implement(key.shape[1], k), f"the sort kernel does not take N={key.shape[1]} keys, k={k}")
+    _expect(key.shape[0] <= MAX_ROWS, f"the sort kernel takes at most {MAX_ROWS} lists, got {key.shape[0]}")
     key = key.contiguous()
     b = key.shape[0]
     for n in sort_levels(key.shape[1], k):
@@ -132,17 +148,20 @@ def sm90_topk_of_keys(key: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def warmup(heads: int, dim: int, k: int, device: torch.device | str) -> int:
-    """Compile the score kernel (where it tiles) and every sort size for top-``k``; returns how many kernels."""
+def warmup(heads: int, dim: int, k: int, device: torch.device | str, *, prefill: bool = False) -> int:
+    """Compile the score kernel (where it tiles; with ``prefill`` its shared-keys form too) and every sort size for
+    top-``k``; returns how many kernels."""
     dev = torch.device(device)
     i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
     n = 0
     if Sm90IndexerScores.can_implement(heads, dim):
         bf = dict(dtype=torch.bfloat16, device=dev)
-        _compile(Sm90IndexerScores(heads=heads, dim=dim),
-                 [torch.empty(1, heads, dim, **bf), torch.empty(1, 1, dim, **bf), torch.empty(1, heads, device=dev),
-                  torch.empty(1, **i32), torch.empty(1, 1, **i64), torch.empty(1, 1, **i32)])
-        n += 1
+        for shared in (False, True) if prefill else (False,):
+            _compile(Sm90IndexerScores(heads=heads, dim=dim, shared=shared),
+                     [torch.empty(1, heads, dim, **bf), torch.empty(1, 1, dim, **bf),
+                      torch.empty(1, heads, device=dev), torch.empty(1, **i32), torch.empty(1, 1, **i64),
+                      torch.empty(1, 1, **i32)])
+            n += 1
     for size in SORT_SIZES:
         if k <= size:
             _compile(Sm90SortTopk(k=k, entries=size), [torch.empty(1, 1, **i64), torch.empty(1, k, **i32)])
@@ -154,10 +173,13 @@ def warmup(heads: int, dim: int, k: int, device: torch.device | str) -> int:
 
 
 class Sm90IndexerScores:
-    """Indexer scores of one decode query per request (module docstring), one compiled (heads, dim),
+    """Indexer scores of one query per request (module docstring), one compiled (heads, dim, shared),
     written as their ``indexer_keys.ordered_key`` (so ``topk`` reads them directly).
 
-    Operands (contiguous): ``q`` bf16 [B, h, d], ``keys`` bf16 [B, N, d], ``weights`` f32 [B, h],
+    ``shared``: ``keys`` is [S, N, d] and request b reads row ``b // (B / S)`` (a prefill chunk's query tokens share
+    their sequence's keys); chunks wholly at or past ``n_valid[b]`` take no product. Without it (decode) S = B.
+
+    Operands (contiguous): ``q`` bf16 [B, h, d], ``keys`` bf16 [B or S, N, d], ``weights`` f32 [B, h],
     ``n_valid`` int32 [B], ``out`` int64 [B, N] (keys >= n_valid get -inf's; loaded as zeros, no read),
     ``splits`` any int32 [1, S] tensor: the grid is (S, B), split ``s`` takes chunks
     ``[s C / S, (s + 1) C / S)`` of the C = ceil(N / 64) chunks.
@@ -167,11 +189,11 @@ class Sm90IndexerScores:
     def can_implement(heads: int, dim: int) -> bool:
         return scores_can_implement(heads, dim)
 
-    def __init__(self, *, heads: int, dim: int):
+    def __init__(self, *, heads: int, dim: int, shared: bool = False):
         if not scores_can_implement(heads, dim):
             raise ValueError(f"heads={heads} (multiple of 8, <= 256) / dim={dim} (multiple of 64) outside the "
                              f"kernel's tiling or its {SMEM_LIMIT} B of shared memory")
-        self.heads, self.dim = heads, dim
+        self.heads, self.dim, self.shared = heads, dim, shared
         self.blocks = dim // 64                                 # 128-byte column blocks per row
         self.q_block = heads * ATOM
         self.k_block = KEYS_PER_CHUNK * ATOM
@@ -181,7 +203,7 @@ class Sm90IndexerScores:
         self.scale = float(heads ** -0.5 * dim ** -0.5)
 
     def key(self) -> tuple:
-        return (self.heads, self.dim)
+        return (self.heads, self.dim, "shared") if self.shared else (self.heads, self.dim)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mW: cute.Tensor, mNv: cute.Tensor,
@@ -200,6 +222,13 @@ class Sm90IndexerScores:
         c_begin = split * n_chunks // n_splits
         n_mine = (split + 1) * n_chunks // n_splits - c_begin
         nv = mNv[b]
+        kb = b                                         # whose keys: the request's own (decode)
+        n_full = n_mine                                # chunks multiplied; the rest are past n_valid
+        if cutlass.const_expr(self.shared):
+            # prefill: the requests of a sequence share its keys, and a chunk wholly past n_valid (a prompt's early
+            # queries see few entries) takes no product, only its -inf keys
+            kb = b // (mQ.shape[0] // mK.shape[0])
+            n_full = cutlass.min(cutlass.max((nv + KEYS_PER_CHUNK - 1) // KEYS_PER_CHUNK - c_begin, Int32(0)), n_mine)
         warp = tidx // 32
         lane = tidx % 32
         g = lane // 4
@@ -220,25 +249,25 @@ class Sm90IndexerScores:
                 ptx.cp_async_16(sbase + (seg // 8) * self.q_block + row * ATOM + (((seg % 8) ^ (row % 8)) << 4),
                                 q_src + Int64(p * 16), Int32(16))
         for st in cutlass.range_constexpr(STAGES - 1):
-            if n_mine > st:
-                self.load_chunk(mK, sbase, b, N, nv, c_begin + st, st, tidx)
+            if n_full > st:
+                self.load_chunk(mK, sbase, kb, N, nv, c_begin + st, st, tidx)
             cute.arch.cp_async_commit_group()
 
         # this thread's head weights: columns 8 j + 2 c + e of the accumulator (scale folded in)
         w = [mW[b, 8 * j + 2 * c + e] * Float32(self.scale) for j in range(H // 8) for e in range(2)]
 
-        for it in cutlass.range(0, n_mine, unroll=1):
+        for it in cutlass.range(0, n_full, unroll=1):
             slot = it % STAGES
-            kb = sbase + self.off_k + slot * self.k_bytes
+            ks = sbase + self.off_k + slot * self.k_bytes
             cute.arch.cp_async_wait_group(STAGES - 2)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier()                        # chunk `it` landed; chunk it - 1's slot is free
             nxt = it + STAGES - 1
-            if nxt < n_mine:
-                self.load_chunk(mK, sbase, b, N, nv, c_begin + nxt, nxt % STAGES, tidx)
+            if nxt < n_full:
+                self.load_chunk(mK, sbase, kb, N, nv, c_begin + nxt, nxt % STAGES, tidx)
             cute.arch.cp_async_commit_group()
             warpgroup.fence()
-            s = self.key_dots(kb, sbase)
+            s = self.key_dots(ks, sbase)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             s = ptx.fence_operands(s)
@@ -259,6 +288,11 @@ class Sm90IndexerScores:
                             bits = Int32(MONO_NEG_INF)
                         ptx.st_global_v2_b32(mOut.iterator.toint() + (Int64(b) * N + Int64(key)) * 8, Int32(-1) - key, bits)
         cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(self.shared):
+            end = cutlass.min((c_begin + n_mine) * KEYS_PER_CHUNK, N)
+            for key in cutlass.range((c_begin + n_full) * KEYS_PER_CHUNK + tidx, end, THREADS, unroll=1):
+                ptx.st_global_v2_b32(mOut.iterator.toint() + (Int64(b) * N + Int64(key)) * 8, Int32(-1) - key,
+                                     Int32(MONO_NEG_INF))
 
     def key_dots(self, kb: Int32, qb: Int32) -> list:
         """Issue S^T = K Q^T for the chunk at ``kb`` (64 keys = M, heads = N, dims = K in k16 steps)."""

@@ -18,6 +18,16 @@ def decode_attention_args(b: int = 2, h: int = 128, w: int = 128, n: int = 40, k
             torch.zeros(b, h, 512, **bf), torch.zeros(b, h, s, 512), torch.zeros(b, h, s, 2)]
 
 
+def prefill_attention_args(r: int = 4, s: int = 2, h: int = 128, rows: int = 130, n: int = 40, k: int = 16,
+                           splits: int = 3) -> list[torch.Tensor]:
+    """q, rows, window_start, window_len, kv_compressed, indices, sink, out, o_part, ml of ``Sm90PrefillAttention``
+    (R = ``r`` requests of ``s`` sequences; HCA takes counts [R, 1] where the indices are)."""
+    bf, i32 = dict(dtype=torch.bfloat16), dict(dtype=torch.int32)
+    return [torch.zeros(r, h, 512, **bf), torch.zeros(s, rows, 512, **bf), torch.zeros(r, **i32),
+            torch.zeros(r, **i32), torch.zeros(s, n, 512, **bf), torch.zeros(r, k, **i32), torch.zeros(h),
+            torch.zeros(r, h, 512, **bf), torch.zeros(r, h, splits, 512), torch.zeros(r, h, splits, 2)]
+
+
 def moe_gemm_args(h: int, i: int, e: int = 2, t: int = 3, top_k: int = 6
                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """The operands of the routing kernel, L1 and L2 of an MoE layer (H, I) with ``e`` experts and ``t`` tokens."""

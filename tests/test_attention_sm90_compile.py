@@ -20,7 +20,7 @@ from nvfp4_megamoe.kernels.decode_attention_reference import (  # noqa: E402
     decode_attention_reference, decode_attention_torch)
 from nvfp4_megamoe.kernels.indexer_reference import indexer_scores, select_topk  # noqa: E402
 from nvfp4_megamoe.kernels.indexer_keys import indexer_keys_torch, topk_of_keys_torch  # noqa: E402
-from sm90_stand_ins import decode_attention_args  # noqa: E402
+from sm90_stand_ins import decode_attention_args, prefill_attention_args  # noqa: E402
 
 
 def indexer_topk(q, keys, weights, k, n_valid=None):
@@ -143,6 +143,95 @@ def test_pick_cluster():
     assert pick_cluster(1, 64, 640) == 1 and pick_cluster(32, 64, 160) == 1 and pick_cluster(128, 64, 8320) == 1
 
 
+def _chunk_case(s, t, past, h, n, k, gen, window=8):
+    """A prefill chunk's operands (CPU): S sequences of ``past`` rows then T chunk rows each, windows of ``window``."""
+    from nvfp4_megamoe.kernels.prefill_attention_reference import chunk_windows
+    q = torch.randn(s * t, h, 512, generator=gen).bfloat16()
+    rows = torch.randn(s, past + t, 512, generator=gen).bfloat16()
+    kvc = torch.randn(s, n, 512, generator=gen).bfloat16()
+    idx = torch.randint(-1, n, (s * t, k), generator=gen, dtype=torch.int32)
+    count = torch.randint(0, n + 1, (s * t,), generator=gen, dtype=torch.int32)
+    start, length = chunk_windows(past, t, window, s)
+    return q, rows, start, length, kvc, idx, count, torch.randn(h, generator=gen)
+
+
+@pytest.mark.parametrize("past", [0, 3, 7])
+def test_chunk_windows_are_the_chunk_attention_mask(past):
+    """``chunk_windows`` spans exactly the keys ChunkAttention's bias leaves visible: query p sees (p - W, p]."""
+    from nvfp4_megamoe.kernels.prefill_attention_reference import chunk_windows
+    window, t, pos0 = 8, 13, 100
+    positions = pos0 + torch.arange(t)
+    keys_pos = torch.cat((torch.arange(pos0 - past, pos0), positions))
+    dist = positions[:, None] - keys_pos[None]
+    visible = (dist >= 0) & (dist < window)
+    start, length = chunk_windows(past, t, window, sequences=2)
+    assert start.dtype == length.dtype == torch.int32 and start.shape == (2 * t,)
+    span = torch.arange(past + t)[None]
+    assert torch.equal((span >= start[:t, None]) & (span < (start + length)[:t, None]), visible)
+    assert torch.equal(start[t:], start[:t]) and torch.equal(length[t:], length[:t])
+
+
+@pytest.mark.parametrize("kind", ["window", "csa", "hca"])
+def test_prefill_reference_matches_chunk_attention(kind):
+    """The prefill contract is what ChunkAttention computes: ``sink_attention(_picked)`` with its window bias and
+    (CSA) each query's gathered picks or (HCA) every entry it may see."""
+    from nvfp4_megamoe.kernels.attention_reference import sink_attention_picked
+    from nvfp4_megamoe.kernels.prefill_attention_reference import prefill_attention_reference
+    gen = torch.Generator().manual_seed(4)
+    s, t, past, h, n, k, window = 2, 11, 5, 4, 9, 3, 8
+    q, rows, start, length, kvc, idx, count, sink = _chunk_case(s, t, past, h, n, k, gen, window)
+    span = torch.arange(past + t)[None]
+    bias = torch.where((span >= start[:, None]) & (span < (start + length)[:, None]), 0.0, float("-inf"))
+    qs, bias = q.view(s, t, h, 512), bias.view(s, t, past + t)
+    scale = 512 ** -0.5
+    if kind == "window":
+        want = sink_attention_picked(qs, rows, bias, None, None, sink, scale)
+        got = prefill_attention_reference(q, rows, start, length, None, None, sink, scale)
+    elif kind == "csa":
+        picked = kvc[torch.arange(s)[:, None, None], idx.view(s, t, k).long().clamp(min=0)]
+        want = sink_attention_picked(qs, rows, bias, picked, idx.view(s, t, k) >= 0, sink, scale)
+        got = prefill_attention_reference(q, rows, start, length, kvc, idx, sink, scale)
+    else:
+        seen = torch.where(torch.arange(n)[None] < count[:, None].long(), 0.0, float("-inf")).view(s, t, n)
+        want = sink_attention_picked(qs, torch.cat((rows, kvc), 1), torch.cat((bias, seen), -1), None, None, sink,
+                                     scale)
+        got = prefill_attention_reference(q, rows, start, length, kvc, None, sink, scale, count=count)
+    torch.testing.assert_close(got, want.view(s * t, h, 512), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_reference_is_decode_per_request():
+    """Each request is the decode reference of its own ring (its window's rows at slots 0..len-1) and its entries."""
+    from nvfp4_megamoe.kernels.prefill_attention_reference import prefill_attention_reference
+    gen = torch.Generator().manual_seed(5)
+    s, t, past, h, n, k = 2, 6, 2, 4, 10, 4
+    q, rows, start, length, kvc, idx, count, sink = _chunk_case(s, t, past, h, n, k, gen, window=5)
+    scale = 512 ** -0.5
+    csa = prefill_attention_reference(q, rows, start, length, kvc, idx, sink, scale)
+    hca = prefill_attention_reference(q, rows, start, length, kvc, None, sink, scale, count=count)
+    for r in range(s * t):
+        ring = torch.zeros(1, 5, 512, dtype=torch.bfloat16)
+        ring[0, :int(length[r])] = rows[r // t, int(start[r]):int(start[r] + length[r])]
+        one = (q[r:r + 1], ring, length[r:r + 1], kvc[r // t:r // t + 1])
+        torch.testing.assert_close(csa[r:r + 1], decode_attention_reference(*one, idx[r:r + 1], sink, scale))
+        every = torch.where(torch.arange(n) < count[r], torch.arange(n), -1).int()[None]
+        torch.testing.assert_close(hca[r:r + 1], decode_attention_reference(*one, every, sink, scale))
+
+
+def test_prefill_host_rejects_bad_operands():
+    """Shapes are checked before anything touches a GPU (a KernelArgumentError, a ValueError)."""
+    from nvfp4_megamoe.kernels.sm90_decode_attention import sm90_prefill_attention
+    gen = torch.Generator().manual_seed(6)
+    q, rows, start, length, kvc, idx, count, sink = _chunk_case(2, 3, 1, 64, 5, 2, gen)
+    with pytest.raises(ValueError, match="S dividing"):
+        sm90_prefill_attention(q[:5], rows, start[:5], length[:5], None, None, sink, 1.0)
+    with pytest.raises(ValueError, match="not both"):
+        sm90_prefill_attention(q, rows, start, length, kvc, idx, sink, 1.0, count=count)
+    with pytest.raises(ValueError, match="window_start"):
+        sm90_prefill_attention(q, rows, start.long(), length, None, None, sink, 1.0)
+    with pytest.raises(ValueError, match="need kv_compressed"):
+        sm90_prefill_attention(q, rows, start, length, None, idx, sink, 1.0)
+
+
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")
 
 
@@ -157,6 +246,37 @@ def test_decode_attention_compiles_sm90a(mode):
     if mode == "indexed":
         for groups in (1, 4):
             assert compile_op(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]]) is not None
+
+
+@pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
+@pytest.mark.parametrize("mode", ["indexed", "dense", "window"])
+def test_prefill_attention_compiles_sm90a(mode):
+    """The shared-rows form of the split kernel (window starts beside the lengths, HCA's counts [R, 1]), every
+    cluster for CSA; the warm-up's count with the prefill forms."""
+    from nvfp4_megamoe.kernels.cute_host import compile_op
+    from nvfp4_megamoe.kernels.sm90_decode_attention import CLUSTERS, Sm90PrefillAttention, warmup
+    args = prefill_attention_args()
+    if mode == "dense":
+        args[5] = args[5][:, :1].contiguous()
+    for cluster in CLUSTERS if mode == "indexed" else (1,):
+        kernel = Sm90PrefillAttention(mode=mode, scale=512 ** -0.5, cluster=cluster)
+        assert kernel.key()[-1] == "prefill" and compile_op(kernel, args) is not None
+    if mode == "window":
+        assert warmup(("window",), 64, 512 ** -0.5, "cpu", prefill=True) == 2 * len(CLUSTERS) + 2
+
+
+@pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
+def test_shared_keys_indexer_compiles_sm90a():
+    """The score kernel whose requests share their sequence's keys; decode's key is unchanged."""
+    from nvfp4_megamoe.kernels.cute_host import compile_op
+    from nvfp4_megamoe.kernels.sm90_indexer import SORT_SIZES, Sm90IndexerScores, warmup
+    r, s, n, heads, dim = 6, 2, 300, 64, 128
+    args = [torch.zeros(r, heads, dim, dtype=torch.bfloat16), torch.zeros(s, n, dim, dtype=torch.bfloat16),
+            torch.zeros(r, heads), torch.zeros(r, dtype=torch.int32), torch.zeros(r, n, dtype=torch.int64),
+            torch.zeros(1, 4, dtype=torch.int32)]
+    assert compile_op(Sm90IndexerScores(heads=heads, dim=dim, shared=True), args) is not None
+    assert Sm90IndexerScores(heads=heads, dim=dim).key() == (heads, dim)
+    assert warmup(heads, dim, 512, "cpu", prefill=True) == 3 + len(SORT_SIZES)
 
 
 @pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
