@@ -230,6 +230,17 @@ def test_prefill_host_rejects_bad_operands():
         sm90_prefill_attention(q, rows, start.long(), length, None, None, sink, 1.0)
     with pytest.raises(ValueError, match="need kv_compressed"):
         sm90_prefill_attention(q, rows, start, length, None, idx, sink, 1.0)
+    many = 65536                                  # past the grid's z: the caller cuts the chunk
+    with pytest.raises(ValueError, match="65535 requests"):
+        sm90_prefill_attention(q[:1].expand(many, -1, -1), rows[:1], start[:1].expand(many),
+                               length[:1].expand(many), None, None, sink, 1.0)
+    from nvfp4_megamoe.kernels.sm90_indexer import sm90_indexer_keys
+    with pytest.raises(ValueError, match="65535 requests"):
+        sm90_indexer_keys(torch.zeros(1, 64, 128, dtype=torch.bfloat16).expand(many, -1, -1),
+                          torch.zeros(1, 10, 128, dtype=torch.bfloat16), torch.zeros(many, 64))
+    with pytest.raises(ValueError, match="S dividing"):
+        sm90_indexer_keys(torch.zeros(6, 64, 128, dtype=torch.bfloat16), torch.zeros(4, 10, 128, dtype=torch.bfloat16),
+                          torch.zeros(6, 64))
 
 
 cutlass = pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed")

@@ -1,9 +1,12 @@
-"""GPU checks of the SM90 decode attention against the float32 PyTorch reference.
+"""GPU checks of the SM90 decode attention (and its prefill form) against the float32 PyTorch references.
 
 Random data drawn fresh per case, outputs poisoned with NaN before each run, windows partly filled,
 top-k lists shorter than k (-1 padding scattered, not only at the tail), repeated indices, heads 64 and
 128, window-only / CSA (indexed) / HCA (dense) forms, one split and several: merged by the combine kernel,
-or by a cluster of CTAs through distributed shared memory.
+or by a cluster of CTAs through distributed shared memory. Prefill: a chunk's query tokens as requests sharing
+their sequence's rows and entries (S = 1 and 2, windows short at a sequence's start, past rows, T of no particular
+multiple), bit for bit the decode kernel on each request's gathered ring where both lists are chunked alike; the
+indexer's shared-keys score kernel, and the sort at 8,192 lists of 16,384 keys.
 """
 
 from __future__ import annotations
@@ -208,3 +211,206 @@ def test_sort_topk_kernel_equals_torch_topk(b, n, k):
     assert torch.equal(out, want)
     if n == 4097:
         assert bool((out[:, 100:] == -1).all())
+
+
+# -- prefill: a chunk's query tokens as requests sharing their sequence's keys -------------------------------------
+WINDOW = 128
+
+
+def make_prefill_case(s: int, t: int, h: int, past: int, mode: str, n: int, k: int | None, seed: int):
+    """A chunk's operands on the GPU: S sequences of ``past`` rows then T chunk rows, the runtime's windows
+    (``chunk_windows``: shorter than W near a sequence's start), CSA indices with scattered -1 padding and a repeat,
+    HCA counts from 0 to past N (clamped by the kernel)."""
+    from nvfp4_megamoe.kernels.prefill_attention_reference import chunk_windows
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev, r = "cuda", s * t
+    q = torch.randn(r, h, 512, device=dev, generator=gen).bfloat16()
+    rows = torch.randn(s, past + t, 512, device=dev, generator=gen).bfloat16()
+    start, length = chunk_windows(past, t, WINDOW, s, device=dev)
+    kvc = idx = count = None
+    if mode != "window":
+        kvc = torch.randn(s, n, 512, device=dev, generator=gen).bfloat16()
+    if mode == "indexed":
+        idx = torch.argsort(torch.rand(r, n, device=dev, generator=gen), dim=1)[:, :k].int()
+        if n < k:                                                      # fewer entries than k: -1 at the tail too
+            idx = torch.cat((idx, idx.new_full((r, k - n), -1)), dim=1)
+        idx = idx.masked_fill(torch.rand(r, k, device=dev, generator=gen) < 0.2, -1).contiguous()
+        idx[-1, 1] = idx[-1, 0]                                        # a repeated entry counts twice
+    if mode == "dense":
+        count = torch.randint(0, n + 1, (r,), device=dev, generator=gen, dtype=torch.int32)
+        count[0], count[-1] = 0, n + 7                                 # none, and more than there are
+    sink = torch.randn(h, device=dev, generator=gen) * 2
+    return q, rows, start, length, kvc, idx, count, sink
+
+
+def run_prefill(case, out=None, **options):
+    from nvfp4_megamoe.kernels.sm90_decode_attention import sm90_prefill_attention
+    q, rows, start, length, kvc, idx, count, sink = case
+    if out is None:
+        out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    sm90_prefill_attention(q, rows, start, length, kvc, idx, sink, SCALE, count=count, out=out,
+                           max_window=WINDOW, **options)
+    torch.cuda.synchronize()
+    return out
+
+
+PREFILL_CASES = [  # s, t, h, past, mode, n, k, options
+    (1, 200, 64, 0, "window", 0, None, {}),                        # a sequence's start: windows of 1 .. 128
+    (2, 77, 128, 127, "window", 0, None, {}),
+    (1, 333, 64, 127, "indexed", 2000, 512, {}),
+    (2, 45, 128, 60, "indexed", 700, 512, {}),
+    (1, 1000, 64, 127, "indexed", 16384, 512, {}),
+    (2, 150, 64, 0, "dense", 300, None, {}),
+    (1, 129, 128, 127, "dense", 1000, None, {}),
+    (2, 61, 128, 127, "dense", 4096, None, {}),
+    (1, 3, 64, 127, "indexed", 500, 512, {}),                       # few requests (splits), fewer entries than k
+    (2, 5, 128, 10, "dense", 2000, None, {"splits": 5}),              # partials through the combine kernel
+    (2, 7, 64, 127, "indexed", 300, 100, {"cluster": 4}),              # merged in a cluster
+    (1, 2, 64, 3, "window", 0, None, {"cluster": 2}),                 # more splits than chunks
+]
+
+
+@pytest.mark.parametrize("s,t,h,past,mode,n,k,options", PREFILL_CASES)
+def test_prefill_attention_matches_reference(s, t, h, past, mode, n, k, options):
+    """Every output written (NaN-poisoned before), relative error to the float32 reference below 1e-2."""
+    from nvfp4_megamoe.kernels.prefill_attention_reference import prefill_attention_reference
+    case = make_prefill_case(s, t, h, past, mode, n, k, seed=s * 7919 + t + h + n)
+    out = run_prefill(case, **options)
+    assert not out.isnan().any(), "unwritten (NaN-poisoned) outputs remain"
+    q, rows, start, length, kvc, idx, count, sink = case
+    ref = prefill_attention_reference(q, rows, start, length, kvc, idx, sink, SCALE, count=count)
+    err = rel_err(out, ref)
+    assert err < 1e-2, f"relative error {err:.3e}"
+
+
+def test_prefill_windows_outside_the_rows_are_masked():
+    """Window starts before row 0 and spans past row L read nothing there (the reference masks them too)."""
+    from nvfp4_megamoe.kernels.prefill_attention_reference import prefill_attention_reference
+    q, rows, start, length, kvc, idx, count, sink = case = make_prefill_case(2, 40, 64, 20, "indexed", 300, 64, 3)
+    start[0], start[1], start[-1] = -5, -200, rows.shape[1] - 3     # partly before, wholly before, partly after
+    out = run_prefill(case)
+    ref = prefill_attention_reference(q, rows, start, length, kvc, idx, sink, SCALE)
+    assert not out.isnan().any() and rel_err(out, ref) < 1e-2
+
+
+def test_prefill_all_masked_gives_zero():
+    """No window row and no entry: the sink takes all the mass, the output is 0 (not NaN), split or not."""
+    q, rows, start, length, kvc, idx, count, sink = case = make_prefill_case(1, 6, 128, 0, "indexed", 64, 32, 5)
+    length.zero_()
+    idx.fill_(-1)
+    for options in ({"splits": 1}, {"splits": 3}, {"cluster": 2}):
+        assert bool((run_prefill(case, **options) == 0).all()), options
+
+
+@pytest.mark.parametrize("mode", ["window", "indexed", "dense"])
+def test_prefill_request_equals_decode_of_its_ring(mode):
+    """A prefill request is the decode kernel run for that token alone, its window's rows gathered into a ring (slots
+    0 .. len-1) and its entries given as indices (HCA: 0 .. count-1): bit for bit where the window is full (the two
+    lists are then chunked alike), within BF16 rounding where it is shorter (the decode list keeps W slots)."""
+    from nvfp4_megamoe.kernels.sm90_decode_attention import sm90_decode_attention as decode_attention
+    s, t, past = 2, 150, 40
+    q, rows, start, length, kvc, idx, count, sink = case = make_prefill_case(s, t, 64, past, mode, 900, 512, 9)
+    out = run_prefill(case, splits=1, cluster=1)
+    for r in (0, 50, t - 1, t, 2 * t - 1):                          # windows of 41, 91 and 128 rows
+        seq, w = r // t, int(length[r])
+        ring = torch.zeros(1, WINDOW, 512, dtype=torch.bfloat16, device="cuda")
+        ring[0, :w] = rows[seq, int(start[r]):int(start[r]) + w]
+        entries = None if kvc is None else kvc[seq:seq + 1].contiguous()
+        picked = idx[r:r + 1] if mode == "indexed" else None
+        if mode == "dense":
+            picked = torch.arange(min(int(count[r]), kvc.shape[1]), dtype=torch.int32, device="cuda")[None]
+            if picked.shape[1] == 0:
+                picked = torch.full((1, 1), -1, dtype=torch.int32, device="cuda")
+        one = decode_attention(q[r:r + 1], ring, length[r:r + 1].contiguous(), entries, picked, sink, SCALE,
+                               splits=1, cluster=1)
+        torch.cuda.synchronize()
+        if w == WINDOW and (mode != "dense" or int(count[r]) > 0):
+            assert torch.equal(one, out[r:r + 1]), r
+        else:
+            assert rel_err(one, out[r:r + 1].float()) < 1e-2, r
+
+
+def test_prefill_graph_capture_replays():
+    from nvfp4_megamoe.kernels.prefill_attention_reference import prefill_attention_reference
+    q, rows, start, length, kvc, idx, count, sink = case = make_prefill_case(1, 64, 64, 127, "dense", 512, None, 13)
+    out = run_prefill(case)                                          # warm-up: compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_prefill(case, out=out)
+    q.copy_(torch.randn_like(q, dtype=torch.float32).bfloat16())
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, prefill_attention_reference(q, rows, start, length, kvc, idx, sink, SCALE, count=count)) < 1e-2
+
+
+def shared_indexer_case(s: int, t: int, n: int, seed: int, heads: int = 64, dim: int = 128):
+    """q [S T, h, d], keys [S, N, d], weights [S T, h] and causal n_valid [S T]: a chunk's queries at the end of a
+    prompt of 4 N tokens (ratio 4) see from about N - T / 4 entries to N, and the first ones of a prompt none."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = s * t
+    q = torch.randn(r, heads, dim, device="cuda", generator=gen).bfloat16()
+    keys = torch.randn(s, n, dim, device="cuda", generator=gen).bfloat16()
+    wts = torch.randn(r, heads, device="cuda", generator=gen)
+    pos = 4 * n - t + torch.arange(t, device="cuda")
+    nv = ((pos + 1) // 4).clamp(0, n).repeat(s).int()
+    nv[:min(t, 5)] = torch.tensor([0, 1, 63, 64, 65][:min(t, 5)], device="cuda", dtype=torch.int32)
+    return q, keys, wts, nv
+
+
+@pytest.mark.parametrize("s,t,n", [(1, 1024, 1024), (2, 77, 5000), (2, 300, 16384), (3, 5, 130)])
+def test_shared_keys_indexer_matches_float32_reference(s, t, n):
+    """The score kernel with a chunk's queries sharing their sequence's keys: the float32 reference's scores,
+    -inf at and past n_valid (also over chunks it skips), every key written (poisoned before); and bit for bit the
+    decode kernel's on the keys copied per request."""
+    from nvfp4_megamoe.kernels.indexer_keys import scores_of_key
+    from nvfp4_megamoe.kernels.sm90_indexer import sm90_indexer_keys as indexer_keys
+    q, keys, wts, nv = shared_indexer_case(s, t, n, seed=s * n + t)
+    r = s * t
+    out = torch.full((r, n), 0x7FF0DEADBEEF, dtype=torch.int64, device="cuda")
+    key = indexer_keys(q, keys, wts, nv, out=out)
+    assert key is out
+    rev = 0xFFFFFFFF - torch.arange(n, device="cuda")
+    assert torch.equal(key & 0xFFFFFFFF, rev.expand(r, n))            # every key written, its entry below
+    got = scores_of_key(key)
+    want = indexer_scores(q.view(s, t, *q.shape[1:]).float(), keys.float(), wts.view(s, t, -1)).view(r, n)
+    visible = torch.arange(n, device="cuda")[None] < nv[:, None].long()
+    assert bool(torch.isneginf(got[~visible]).all()) and bool(torch.isfinite(got[visible]).all())
+    assert rel_err(got[visible], want[visible]) < 1e-5
+    copied = keys.repeat_interleave(t, dim=0)                          # the decode form: every request its keys
+    assert torch.equal(indexer_keys(q, copied, wts, nv), key)
+
+
+@pytest.mark.parametrize("s,t,n,k", [(1, 1024, 1024, 512), (1, 1024, 16384, 512), (2, 100, 16384, 1024)])
+def test_shared_keys_indexer_topk_matches_reference(s, t, n, k):
+    """Scores then the sort kernel for a chunk's queries: the reference's top-k (``topk_in_blocks``, as the chunk
+    path runs it) up to near-ties at the cut, -1 padding where fewer than k are visible."""
+    from nvfp4_megamoe.kernels.indexer_reference import topk_in_blocks
+    from nvfp4_megamoe.kernels.sm90_indexer import sm90_indexer_keys as indexer_keys
+    from nvfp4_megamoe.kernels.sm90_indexer import sm90_topk_of_keys as topk_of_keys
+    q, keys, wts, nv = shared_indexer_case(s, t, n, seed=n + k)
+    r = s * t
+    got = topk_of_keys(indexer_keys(q, keys, wts, nv), k)
+    want = topk_in_blocks(q.view(s, t, *q.shape[1:]), keys, wts.view(s, t, -1), nv.view(s, t), k, 4096).view(r, k)
+    scores = indexer_scores(q.view(s, t, *q.shape[1:]).float(), keys.float(), wts.view(s, t, -1)).view(r, n)
+    for i in range(r):
+        sel, ref = got[i][got[i] >= 0].long(), want[i][want[i] >= 0]
+        assert len(sel) == len(ref) == min(k, int(nv[i])) and len(set(sel.tolist())) == len(sel)
+        assert bool((sel < nv[i]).all())
+        if len(ref):
+            kth = scores[i, ref].min()
+            assert float(scores[i, sel].min()) >= float(kth) - 1e-4 * float(scores[i].abs().max())
+
+
+@pytest.mark.parametrize("k", [512, 1024])
+def test_sort_topk_takes_a_long_prompts_chunk(k):
+    """8,192 lists of 16,384 keys (a 64K-token prompt's CSA entries at ratio 4): torch.topk's indices exactly."""
+    from nvfp4_megamoe.kernels.indexer_keys import ordered_key, topk_of_keys_torch
+    from nvfp4_megamoe.kernels.sm90_indexer import sm90_topk_of_keys as topk_of_keys
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    scores = torch.randn(8192, 16384, device="cuda", generator=gen).round()
+    scores[torch.arange(16384, device="cuda")[None] >= torch.randint(0, 16385, (8192, 1), device="cuda",
+                                                                     generator=gen)] = float("-inf")
+    key = ordered_key(scores)
+    del scores
+    assert torch.equal(topk_of_keys(key, k), topk_of_keys_torch(key, k))
