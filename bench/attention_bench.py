@@ -22,6 +22,12 @@ also the score kernel alone, and the score kernel with ``torch.topk``) is timed 
     python bench/attention_bench.py --reps 15 --variants '{"cl1": {"cluster": 1}}'  # bench/results/attention_bench.json
     python bench/attention_bench.py --reps 15 --no-attention --out bench/results/indexer_bench.json
     python bench/attention_bench.py --plot bench/results/attention_bench.json bench/results/attention_bench.png
+
+``--prefill`` times a chunk's prefill instead (``attention_prefill.py``: the prefill form of the kernel against the
+chunk path's torch composition, in TFLOP/s and against FlashMLA's published sparse-prefill rate; the indexer's
+shared-keys score kernel and the sort):
+
+    python bench/attention_bench.py --prefill --reps 10          # bench/results/attention_prefill_bench.json
 """
 
 from __future__ import annotations
@@ -225,9 +231,28 @@ def plot(res: dict, path: str) -> None:
     Image.open(path).convert("RGB").quantize(64).save(path, optimize=True)
 
 
+def run_prefill(args) -> None:
+    """``--prefill``: the chunk's attention and indexer (``attention_prefill.py``), one results file."""
+    from attention_prefill import bench_prefill_attention, bench_prefill_indexer, prefill_table
+    t0 = time.time()
+    timer = ColdTimer()
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, reps=args.reps)
+    out = args.out or str(RESULTS / "attention_prefill_bench.json")
+    res["prefill_attention"] = [] if args.no_attention else bench_prefill_attention(args, timer, MODELS)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    if not args.no_indexer:
+        res["prefill_indexer"] = bench_prefill_indexer(args, timer, tuple(k for _, k in MODELS.values()))
+    res["wall_s"] = time.time() - t0
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(prefill_table(res))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(RESULTS / "attention_bench.json"))
+    p.add_argument("--out", help="results file (default: bench/results/attention_bench.json, with --prefill "
+                                 "attention_prefill_bench.json)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     p.add_argument("--contexts", type=int, nargs="*", default=list(CONTEXTS))
@@ -239,7 +264,17 @@ def main() -> None:
     p.add_argument("--splits", type=int, nargs="*", default=[],
                    help="also time ours with these fixed flash-decoding split counts (ours_s<N>_us)")
     p.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="only draw the plot of a results file")
+    p.add_argument("--prefill", action="store_true", help="time a chunk's prefill (attention_prefill.py) instead")
+    p.add_argument("--tokens", type=int, nargs="*", default=[1024, 4096], help="--prefill: query tokens of the chunk")
+    p.add_argument("--index-tokens", type=int, default=1024, help="--prefill: the indexer's query tokens")
+    p.add_argument("--index-entries", type=int, nargs="*", default=[1024, 16384],
+                   help="--prefill: the indexer's compressed entries")
+    p.add_argument("--no-torch", action="store_true", help="--prefill: skip the torch float32 compositions")
     args = p.parse_args()
+    if args.prefill:
+        run_prefill(args)
+        return
+    args.out = args.out or str(RESULTS / "attention_bench.json")
     if args.plot:
         with open(args.plot[0]) as f:
             res = json.load(f)
