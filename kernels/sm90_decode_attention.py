@@ -191,7 +191,7 @@ class Sm90DecodeAttention:
             # its list holds exactly that window (no ring slots to skip), then its entries
             seq = b // (mQ.shape[0] // mKvw.shape[0])
             wstart = mWstart[b]
-            W = mWlen[b]
+            W = cutlass.max(mWlen[b], Int32(0))
             if const_expr(self.mode == "dense"):
                 K = cutlass.min(cutlass.max(mIdx[b, 0], Int32(0)), N)   # HCA: entries [0, count)
         n_chunks = (W + K + C - 1) // C

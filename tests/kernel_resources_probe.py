@@ -1,8 +1,8 @@
 """Compile, for sm_90a (no GPU), the kernel configurations the runtime can launch for V4-Flash and V4-Pro: the MoE
 plans a layer can pick (weights row-major and in row tiles), decode attention in its three modes with the clusters
-``pick_cluster`` chooses and the combine kernel, the indexer's score and sort kernels, the mHC weights, the
-compressor step, the step's query and key and the router; print, as JSON, each kernel's registers per thread and stack
-frame bytes (spills) read from its cubin.
+``pick_cluster`` chooses and the combine kernel, and its prefill form, the indexer's score (decode and shared-keys)
+and sort kernels, the mHC weights, the compressor step, the step's query and key and the router; print, as JSON, each
+kernel's registers per thread and stack frame bytes (spills) read from its cubin.
 
 ``--all`` compiles every configuration; without it, one GEMM (and one routing kernel) per configuration that differs
 only in its token tile (the widest tile, whose accumulators take the most registers) and every other kernel. ``--jobs N`` compiles in N
@@ -88,7 +88,7 @@ def jobs(every: bool) -> list[tuple]:
     from nvfp4_megamoe.kernels import cute_host, sm90_indexer, sm90_moe, sm90_router
     from nvfp4_megamoe.kernels.sm90_config import MoeShape
     from nvfp4_megamoe.kernels.sm90_decode_attention import (CLUSTERS, Sm90DecodeAttention,
-                                                             Sm90DecodeAttentionCombine)
+                                                             Sm90DecodeAttentionCombine, Sm90PrefillAttention)
     from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre
     from nvfp4_megamoe.kernels.sm90_compressor import Sm90CompressStep, stand_in_operands as compressor_operands
     from nvfp4_megamoe.kernels.sm90_qkv_step import QkvStepConfig, Sm90QkvStep, stand_in_operands as qkv_operands
@@ -96,7 +96,8 @@ def jobs(every: bool) -> list[tuple]:
     from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Dequant, Sm90Fp8Linear
     from nvfp4_megamoe.kernels.sm90_heuristics import (compress_step_config, fp8_linear_config, fp8_linear_token_counts,
                                                        fp8_reads_f32_x)
-    from sm90_stand_ins import FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args
+    from sm90_stand_ins import (FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args,
+                                prefill_attention_args)
 
     found: dict[tuple, tuple] = {}
     record = lambda op, tensors: found.setdefault((type(op).__name__, op.key()), (op, tensors))  # noqa: E731
@@ -106,14 +107,19 @@ def jobs(every: bool) -> list[tuple]:
         for h, i, e in MODELS:
             for tiles in (False, True):  # canonical and --target sm90 checkpoints
                 sm90_moe.Sm90Nvfp4Moe(MoeShape(h, i, e, 6, 10.0, tiles), MAX_TOKENS, device="cpu").warmup()
-        for k in (512, 1024):  # V4-Flash's and V4-Pro's index top-k, 64 index heads of 128
-            sm90_indexer.warmup(64, 128, k, "cpu")
+        for k in (512, 1024):  # V4-Flash's and V4-Pro's index top-k, 64 index heads of 128 (decode and prefill)
+            sm90_indexer.warmup(64, 128, k, "cpu", prefill=True)
     finally:
         sm90_moe._compile, sm90_indexer._compile = saved
     args = decode_attention_args()
+    prefill = prefill_attention_args()
     for mode in ("window", "dense", "indexed"):
+        # the prefill form: window starts beside the lengths, HCA's counts [R, 1] where CSA's indices are
+        picked = prefill[5][:, :1].contiguous() if mode == "dense" else prefill[5]
         for cluster in CLUSTERS:
             record(Sm90DecodeAttention(mode=mode, scale=512 ** -0.5, cluster=cluster), args)
+            record(Sm90PrefillAttention(mode=mode, scale=512 ** -0.5, cluster=cluster), [*prefill[:5], picked,
+                                                                                          *prefill[6:]])
     for groups in (1, 4):
         record(Sm90DecodeAttentionCombine(groups), [args[7], args[8], args[5], args[6]])
     for norm in (False, True):
