@@ -788,10 +788,10 @@ def sm90_prefill_attention(q, rows, window_start, window_len, kv_compressed, ind
                        window + k, out, splits, cluster)
 
 
-def warmup(modes: tuple[str, ...], heads: int, scale: float, device, *, prefill: bool = False) -> int:
+def warmup(modes: tuple[str, ...], heads: int, scale: float, device, *, prefill: tuple[str, ...] = ()) -> int:
     """Compile the split kernel in ``modes`` with every cluster, and both combine kernels (what
-    :func:`sm90_decode_attention` can launch for a model with ``heads`` heads and logit ``scale``; with ``prefill``
-    also what :func:`sm90_prefill_attention` can); returns how many kernels."""
+    :func:`sm90_decode_attention` can launch for a model with ``heads`` heads and logit ``scale``), and the prefill
+    form's in the ``prefill`` modes (what :func:`sm90_prefill_attention` can); returns how many kernels."""
     import torch
     bf = dict(dtype=torch.bfloat16, device=device)
     b, w, n, s = 1, 2, 2, 2  # sizes are dynamic: the kernels specialise on dtypes and ranks
@@ -802,16 +802,17 @@ def warmup(modes: tuple[str, ...], heads: int, scale: float, device, *, prefill:
     o_part = torch.empty(b, heads, s, HEAD_DIM, dtype=torch.float32, device=device)
     ml = torch.empty(b, heads, s, 2, dtype=torch.float32, device=device)
     count = 0
+    operands = {"window": (kv, wlen.view(b, 1)), "dense": (kvc, wlen.view(b, 1)), "indexed": (kvc, idx)}
     for mode in modes:
-        operands = {"window": (kv, wlen.view(b, 1)), "dense": (kvc, wlen.view(b, 1)), "indexed": (kvc, idx)}[mode]
         for cluster in CLUSTERS:
             _compile(Sm90DecodeAttention(mode=mode, scale=scale, cluster=cluster),
-                     [q, kv, wlen, *operands, sink, out, o_part, ml])
+                     [q, kv, wlen, *operands[mode], sink, out, o_part, ml])
             count += 1
-            if prefill:  # window starts beside the lengths; HCA's counts [R, 1] have the indices' dtype and rank
-                _compile(Sm90PrefillAttention(mode=mode, scale=scale, cluster=cluster),
-                         [q, kv, wlen, wlen, *operands, sink, out, o_part, ml])
-                count += 1
+    for mode in prefill:   # window starts beside the lengths; HCA's counts [R, 1] have the indices' dtype and rank
+        for cluster in CLUSTERS:
+            _compile(Sm90PrefillAttention(mode=mode, scale=scale, cluster=cluster),
+                     [q, kv, wlen, wlen, *operands[mode], sink, out, o_part, ml])
+            count += 1
     for groups in (1, 4):
         _compile(Sm90DecodeAttentionCombine(groups), [o_part, ml, sink, out])
         count += 1

@@ -88,6 +88,39 @@ def _entries_rope(be, ratio: int, windows: torch.Tensor, freq: torch.Tensor):
     return be.rope_tables(windows * ratio, freq)
 
 
+def attend_chunk(be, q: torch.Tensor, rows: torch.Tensor, past: int, window: int, entries: torch.Tensor | None,
+                 n_visible: torch.Tensor | None, index: tuple | None, sink: torch.Tensor, scale: float,
+                 topk: int) -> torch.Tensor:
+    """A chunk's attention (``Backend.chunk_attention``'s contract) through the backend's reference ops, QUERY_BLOCK
+    queries at a time: masked logits over the window rows (and HCA's entries) by ``sink_attention``; CSA's per-query
+    top-k entries (``chunk_topk``, INDEX_KEY_BLOCK keys a pass) gathered beside them by ``sink_attention_picked``.
+    A chunk's temporaries grow with the block, not with the chunk times the context (CSA reads each query's top-k
+    entries, gathered, never a [T, entries] mask)."""
+    n, t = q.shape[:2]
+    dev = q.device
+    # query t is row past + t and sees rows (past + t - window, past + t]
+    dist = (past + torch.arange(t, device=dev))[:, None] - torch.arange(rows.shape[1], device=dev)[None, :]
+    bias = torch.zeros(dist.shape, device=dev).masked_fill((dist < 0) | (dist >= window), _NEG_INF)
+    keys = rows
+    if entries is not None and index is None:   # HCA: every visible entry, as more masked keys
+        visible = torch.arange(entries.shape[1], device=dev)[None, :] < n_visible[:, None]
+        keys = torch.cat((keys, entries), dim=1)
+        bias = torch.cat((bias, torch.zeros(visible.shape, device=dev).masked_fill(~visible, _NEG_INF)), dim=-1)
+    out = torch.empty(n, t, q.shape[2], q.shape[3], device=dev)
+    for q0 in range(0, t, QUERY_BLOCK):
+        r = slice(q0, q0 + QUERY_BLOCK)
+        block_bias = bias[r].expand(n, -1, -1)
+        if index is None:
+            out[:, r] = be.sink_attention(q[:, r], keys, block_bias, sink, scale)
+            continue
+        iq, index_keys, index_weights = index
+        picked = be.chunk_topk(iq[:, r], index_keys, index_weights[:, r], n_visible[r], topk,
+                               INDEX_KEY_BLOCK)                                     # [n, b, k], -1 padding
+        gathered = entries[torch.arange(n, device=dev)[:, None, None], picked.clamp(min=0)]
+        out[:, r] = be.sink_attention_picked(q[:, r], keys, block_bias, gathered, picked >= 0, sink, scale)
+    return out
+
+
 class ChunkAttention:
     """``T`` tokens continuing slots ``rows`` [n] (a device index) of one layer's state, all at ``pos0``;
     ``positions`` [T] = ``pos0 + arange(T)`` on the device."""
@@ -103,50 +136,32 @@ class ChunkAttention:
         return self.be.query_key(q, kv, a.kv_norm, turn, self.cfg.rms_norm_eps)
 
     def __call__(self, a: AttentionWeights, h, qr, q, kv, freq, turn):
-        be, cfg, st, rows, positions, pos0 = self.be, self.cfg, self.st, self.rows, self.positions, self.pos0
+        be, cfg, st, rows_idx, positions, pos0 = self.be, self.cfg, self.st, self.rows, self.positions, self.pos0
         n, t = q.shape[:2]
-        # Sliding window: the ring holds positions [pos0 - W, pos0); query p sees keys (p - W, p].
+        # Sliding window: the ring holds positions [pos0 - W, pos0); query p sees keys (p - W, p]. ``rows``: the ring's
+        # past keys in position order, then the chunk's; query t is row past + t of them.
         window = cfg.sliding_window
         past_pos = torch.arange(max(0, pos0 - window + 1), pos0, device=h.device)
-        keys = torch.cat((st.window[rows[:, None], (past_pos % window)[None]].to(kv.dtype), kv), dim=1)
-        dist = positions[:, None] - torch.cat((past_pos, positions))[None, :]
-        bias = torch.zeros(dist.shape, device=h.device).masked_fill((dist < 0) | (dist >= window), _NEG_INF)
+        rows = torch.cat((st.window[rows_idx[:, None], (past_pos % window)[None]].to(kv.dtype), kv), dim=1)
         keep = min(t, window)
-        st.window[rows[:, None], (positions[-keep:] % window)[None]] = kv[:, -keep:].to(st.window.dtype)
+        st.window[rows_idx[:, None], (positions[-keep:] % window)[None]] = kv[:, -keep:].to(st.window.dtype)
 
-        ratio, index = a.compress_ratio, None
+        ratio, entries, n_visible, index = a.compress_ratio, None, None, None
         if ratio:
             proj = be.linears(h, compressor_linears(a))   # [n, T, C] each: kv, gate (, the indexer's kv, gate, weights)
-            entries = self._compress(a.compressor, proj[0], proj[1], st.compressor, freq).to(keys.dtype)
+            entries = self._compress(a.compressor, proj[0], proj[1], st.compressor, freq).to(rows.dtype)
             n_visible = (positions + 1) // ratio    # entries query t may see
             if a.indexer is not None:  # CSA: the lightning indexer picks each query's top-k visible entries
                 ix = a.indexer
                 index_keys = self._compress(ix.compressor, proj[2], proj[3], st.indexer, freq)
                 iq = be.linear(qr, ix.wq_b).view(n, t, cfg.index_n_heads, cfg.index_head_dim)
                 iq = be.rotate_(iq, turn[:, :, None])   # in place: the linear's own output
-                if entries.shape[1]:  # else no entry is stored yet: the window alone
+                if not entries.shape[1]:  # no entry is stored yet: the window alone
+                    entries = None
+                else:
                     index = iq, index_keys.to(iq.dtype), proj[4]
-            else:  # HCA: every visible entry, as more masked keys
-                visible = torch.arange(entries.shape[1], device=h.device)[None, :] < n_visible[:, None]
-                keys = torch.cat((keys, entries), dim=1)
-                bias = torch.cat((bias, torch.zeros(visible.shape, device=h.device).masked_fill(~visible, _NEG_INF)),
-                                 dim=-1)
-        # queries QUERY_BLOCK at a time: a chunk's temporaries grow with the block, not with the chunk times the
-        # context (CSA reads each query's top-k entries, gathered, never a [T, entries] mask)
-        out = torch.empty(n, t, cfg.num_heads, cfg.head_dim, device=h.device)
-        scale = cfg.head_dim ** -0.5
-        for q0 in range(0, t, QUERY_BLOCK):
-            r = slice(q0, q0 + QUERY_BLOCK)
-            block_bias = bias[r].expand(n, -1, -1)
-            if index is None:
-                out[:, r] = be.sink_attention(q[:, r], keys, block_bias, a.sink, scale)
-                continue
-            iq, index_keys, index_weights = index
-            picked = be.chunk_topk(iq[:, r], index_keys, index_weights[:, r], n_visible[r], cfg.index_topk,
-                                   INDEX_KEY_BLOCK)                                     # [n, b, k], -1 padding
-            gathered = entries[torch.arange(n, device=h.device)[:, None, None], picked.clamp(min=0)]
-            out[:, r] = be.sink_attention_picked(q[:, r], keys, block_bias, gathered, picked >= 0, a.sink, scale)
-        return out   # [n, T, H, D]
+        return be.chunk_attention(q, rows, past_pos.shape[0], window, entries, n_visible, index, a.sink,
+                                  cfg.head_dim ** -0.5, cfg.index_topk)   # [n, T, H, D]
 
     def _compress(self, cw: CompressorWeights, kv, gate, cs: CompressorState, freq) -> torch.Tensor:
         """Feed the chunk's projections ``kv``, ``gate`` [n, T, C] to a compressor: store the entries of the windows

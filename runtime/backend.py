@@ -121,6 +121,23 @@ class ReferenceBackend:
     compress_windows = staticmethod(compressor_reference.compress_windows)
     chunk_topk = staticmethod(indexer_reference.topk_in_blocks)
 
+    def chunk_attention(self, q: torch.Tensor, rows: torch.Tensor, past: int, window: int,
+                        entries: torch.Tensor | None, n_visible: torch.Tensor | None, index: tuple | None,
+                        sink: torch.Tensor, scale: float, topk: int) -> torch.Tensor:
+        """The attention of a chunk of T tokens of n slots -> float32 [n, T, H, D] (before the inverse RoPE).
+
+        ``q`` [n, T, H, D] normed and rotated; ``rows`` [n, past + T, D]: each slot's window keys, its ``past`` ring
+        keys in position order then the chunk's (query t is row ``past + t`` and sees rows ``(past + t - window,
+        past + t]``); ``entries`` [n, N, D] or None: the compressed entries so far (None: a window-only layer, or a
+        CSA layer with none stored yet); ``n_visible`` int [T]: entries query t may see; ``index``: CSA's
+        ``(iq [n, T, h, d], index_keys [n, N, d], weights [n, T, h])``, whose top-``topk`` visible entries
+        (``chunk_topk``) each query attends to besides its window; None with ``entries``: HCA, every visible entry.
+        The reference runs ``sink_attention`` / ``sink_attention_picked`` in blocks of queries
+        (``attention.attend_chunk``)."""
+        from .attention import attend_chunk
+
+        return attend_chunk(self, q, rows, past, window, entries, n_visible, index, sink, scale, topk)
+
     def query_key(self, q_raw: torch.Tensor, kv_raw: torch.Tensor, kv_norm: torch.Tensor, turn: torch.Tensor,
                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention's query ``q_raw`` [B, T, H, D] RMS-normalised per head without a weight and its key ``kv_raw``

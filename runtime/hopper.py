@@ -94,7 +94,7 @@ class HopperBackend(ReferenceBackend):
         # ids of a group of one input's linears -> (the group's linears, one weight of them all, their widths)
         self._fused: dict[tuple[int, ...], tuple[tuple[Linear, ...], Linear, list[int]]] = {}
         self.kernel_calls = {"moe": 0, "decode_attention": 0, "linear": 0, "indexer": 0, "hc_pre": 0,
-                             "hc_post": 0, "compress_step": 0, "route": 0, "step_qkv": 0}
+                             "hc_post": 0, "compress_step": 0, "route": 0, "step_qkv": 0, "prefill_attention": 0}
         self.warmup_seconds: float | None = None
         self.compiled_at_warmup: int | None = None  # kernels the last warm-up compiled (not found in a cache)
         self.compile_report: list = []  # the last warm-up's worker compiles (``compile_workers.Compiled``)
@@ -348,25 +348,78 @@ class HopperBackend(ReferenceBackend):
     # -- decode indexer top-k ----------------------------------------------------------------------------------
     def indexer_topk(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,
                      n_valid: torch.Tensor) -> torch.Tensor:
-        from nvfp4_megamoe.kernels import indexer_keys, sm90_heuristics, sm90_indexer
-
         if not q.is_cuda:
             return super().indexer_topk(q, keys, weights, k, n_valid)
+        return self._indexer_picks(q, keys, weights, k, n_valid)
+
+    def chunk_topk(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, n_visible: torch.Tensor, k: int,
+                   block: int) -> torch.Tensor:
+        """A chunk's picks (``indexer_reference.topk_in_blocks``' contract, ``block`` unused: the score kernel holds
+        one int64 key per query and entry) by the score kernel with every query of a slot reading the slot's keys
+        in place, and the sort kernel; int64 [n, T, k], -1 padding."""
+        from nvfp4_megamoe.kernels import sm90_indexer
+
+        n, t, heads, dim = q.shape
+        if not (q.is_cuda and keys.shape[1] and sm90_indexer.Sm90IndexerScores.can_implement(heads, dim)
+                and n * t <= sm90_indexer.MAX_ROWS):
+            return super().chunk_topk(q, keys, weights, n_visible, k, block)
+        n_valid = n_visible.to(q.device, torch.int32).expand(n, t).reshape(n * t)
+        picked = self._indexer_picks(q.reshape(n * t, heads, dim), keys, weights.reshape(n * t, heads), k, n_valid)
+        return picked.view(n, t, k).long()
+
+    def _indexer_picks(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, k: int,
+                       n_valid: torch.Tensor) -> torch.Tensor:
+        """q [B, h, d], keys [S, N, d] (S = B: a decode step; S dividing B: the B / S queries of each sequence share
+        its keys), weights [B, h], n_valid int [B] -> int32 [B, k], -1 padding: the scores as ordered keys (the score
+        kernel where it tiles, else torch), then their top k (the sort kernel where it pays, else ``torch.topk``)."""
+        from nvfp4_megamoe.kernels import indexer_keys, sm90_heuristics, sm90_indexer
+
         b, heads, dim = q.shape
         shape = (heads, dim, k, str(q.device))
         if shape not in self._indexer_ready:  # every sort size at the first call, not when the entries first cross one
-            sm90_indexer.warmup(heads, dim, k, q.device)
+            sm90_indexer.warmup(heads, dim, k, q.device, prefill=True)
             self._indexer_ready.add(shape)
         q, keys, weights = q.to(torch.bfloat16).contiguous(), keys.to(torch.bfloat16).contiguous(), weights.float()
         if sm90_indexer.Sm90IndexerScores.can_implement(heads, dim):
             key = sm90_indexer.sm90_indexer_keys(q, keys, weights, n_valid)
             self.kernel_calls["indexer"] += 1
         else:
+            if keys.shape[0] != b:   # the torch composition takes a request's own keys
+                keys = keys.repeat_interleave(b // keys.shape[0], dim=0)
             key = indexer_keys.indexer_keys_torch(q, keys, weights, n_valid)
         n = key.shape[1]
         if b and n and sm90_indexer.topk_can_implement(n, k) and sm90_heuristics.sort_topk_pays(b, n, k):
             return sm90_indexer.sm90_topk_of_keys(key, k)
         return indexer_keys.topk_of_keys_torch(key, k)
+
+    def chunk_attention(self, q: torch.Tensor, rows: torch.Tensor, past: int, window: int,
+                        entries: torch.Tensor | None, n_visible: torch.Tensor | None, index: tuple | None,
+                        sink: torch.Tensor, scale: float, topk: int) -> torch.Tensor:
+        """Every query token of the chunk a request of the decode attention kernel (``sm90_prefill_attention``),
+        reading its slot's window rows and entries in place: the window a span of ``rows``, CSA's entries by the
+        picks of ``chunk_topk``, HCA's by a count per query."""
+        from nvfp4_megamoe.kernels.prefill_attention_reference import chunk_windows
+        from nvfp4_megamoe.kernels.sm90_decode_attention import (MAX_REQUESTS, Sm90DecodeAttention,
+                                                                 sm90_prefill_attention)
+
+        n, t, heads, dim = q.shape
+        if not (q.is_cuda and Sm90DecodeAttention.can_implement(heads, dim) and n * t <= MAX_REQUESTS):
+            return super().chunk_attention(q, rows, past, window, entries, n_visible, index, sink, scale, topk)
+        bf = lambda x: x.to(torch.bfloat16).contiguous()  # noqa: E731
+        start, length = chunk_windows(past, t, window, n, q.device)
+        kvc = indices = count = None
+        if entries is not None and entries.shape[1]:
+            kvc = bf(entries)
+            if index is None:     # HCA
+                count = n_visible.to(q.device, torch.int32).repeat(n).contiguous()
+            else:
+                iq, index_keys, index_weights = index
+                indices = self.chunk_topk(iq, index_keys, index_weights, n_visible, topk, 0)
+                indices = indices.reshape(n * t, -1).to(torch.int32).contiguous()
+        out = sm90_prefill_attention(bf(q.reshape(n * t, heads, dim)), bf(rows), start, length, kvc, indices,
+                                     sink.float().contiguous(), scale, count=count, max_window=window)
+        self.kernel_calls["prefill_attention"] += 1
+        return out.view(n, t, heads, dim).float()
 
     # -- a decode step's query and key ----------------------------------------------------------------------------
     def step_qkv(self, q_raw: torch.Tensor, kv_raw: torch.Tensor, kv_norm: torch.Tensor, ring: torch.Tensor,
@@ -502,7 +555,9 @@ class HopperBackend(ReferenceBackend):
         if sm90_decode_attention.Sm90DecodeAttention.can_implement(cfg.num_heads, cfg.head_dim):
             # CSA and HCA both pass -1-padded indices (HCA: every valid row of its fixed-size store)
             modes = ("window",) + (("indexed",) if ratios - {0} else ())
-            sm90_decode_attention.warmup(modes, cfg.num_heads, cfg.head_dim ** -0.5, dev)
+            # prefill: HCA's queries each see their own count of entries ("dense"), CSA's their picks ("indexed")
+            prefill = ("window",) + (("indexed",) if 4 in ratios else ()) + (("dense",) if ratios - {0, 4} else ())
+            sm90_decode_attention.warmup(modes, cfg.num_heads, cfg.head_dim ** -0.5, dev, prefill=prefill)
             # the step's query and key (``step_qkv``), for the query the attention kernel reads: one RoPE width a kind
             # of layer (the main and the compressed layers' frequencies have the same length in V4: one kernel)
             eps = float(cfg.rms_norm_eps)
@@ -510,7 +565,7 @@ class HopperBackend(ReferenceBackend):
             sm90_qkv_step.warmup([sm90_qkv_step.QkvStepConfig(cfg.head_dim, rd, eps) for rd in widths
                                   if sm90_qkv_step.can_implement(cfg.head_dim, rd, eps)], dev)
         if 4 in ratios:
-            sm90_indexer.warmup(cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, dev)
+            sm90_indexer.warmup(cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, dev, prefill=True)
         rope_pairs = cfg.compress_rope.dim // 2
         steps = []   # each compressor's shape (CSA layers: the indexer's too), as ``compress_step`` launches it
         for lw in layers:

@@ -416,3 +416,47 @@ def test_sort_topk_takes_a_long_prompts_chunk(k):
     key = ordered_key(scores)
     del scores
     assert torch.equal(topk_of_keys(key, k), topk_of_keys_torch(key, k))
+
+
+@pytest.mark.parametrize("kind,n,t,pos0", [("window", 1, 300, 0), ("window", 2, 77, 500), ("csa", 1, 1024, 127),
+                                          ("csa", 2, 300, 2000), ("hca", 1, 1000, 127), ("hca", 2, 129, 0)])
+def test_hopper_chunk_attention_equals_the_reference_blocks(kind, n, t, pos0):
+    """``HopperBackend.chunk_attention`` (every query a request of the prefill kernel) against the reference
+    backend's blocks of float32 ops on the same operands, CSA given the same picks (the Hopper backend's own,
+    handed to the reference block by block), so that only the attention is compared; windows short at a slot's
+    start and past ring rows, entries fewer than some queries may see."""
+    from nvfp4_megamoe.runtime.backend import ReferenceBackend
+    from nvfp4_megamoe.runtime.hopper import HopperBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(n * 1000 + t)
+    dev, heads, window, topk = "cuda", 64, 128, 512
+    past, ratio = min(pos0, window - 1), 4 if kind == "csa" else 128
+    entries = 0 if kind == "window" else (pos0 + t) // ratio   # what the slot's compressor has stored by then
+    q = torch.randn(n, t, heads, 512, device=dev, generator=gen)
+    rows = torch.randn(n, past + t, 512, device=dev, generator=gen)
+    sink = torch.randn(heads, device=dev, generator=gen)
+    n_visible = (pos0 + torch.arange(t, device=dev) + 1) // ratio
+    kvc = torch.randn(n, entries, 512, device=dev, generator=gen) if entries else None
+    index = None
+    if kind == "csa":
+        index = (torch.randn(n, t, 64, 128, device=dev, generator=gen),
+                 torch.randn(n, entries, 128, device=dev, generator=gen), torch.rand(n, t, 64, device=dev,
+                                                                                     generator=gen))
+    hopper, ref = HopperBackend(), ReferenceBackend()
+    got = hopper.chunk_attention(q, rows, past, window, kvc, n_visible, index, sink, SCALE, topk)
+    assert hopper.kernel_calls["prefill_attention"] == 1
+    if index is not None:
+        picks = hopper.chunk_topk(*index, n_visible, topk, 0)
+        assert picks.shape == (n, t, topk) and bool((picks < n_visible[None, :, None]).all())
+        done = []
+
+        def given(q_block, *_):
+            r0 = sum(done)
+            done.append(q_block.shape[1])
+            return picks[:, r0:r0 + q_block.shape[1]]
+        ref.chunk_topk = given
+    want = ref.chunk_attention(q.bfloat16().float(), rows.bfloat16().float(),
+                               past, window, None if kvc is None else kvc.bfloat16().float(), n_visible, index, sink,
+                               SCALE, topk)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < 1e-2
