@@ -48,7 +48,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.cute.nvgpu.warpgroup as warpgroup
 import torch
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64
 
 from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch

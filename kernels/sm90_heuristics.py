@@ -262,8 +262,13 @@ def fp8_wgmma_config(n: int, k: int, tokens: int, groups: int = 1, scale_f32: bo
     it): the benchmark times it beside the runtime's paths. The grid is the NVFP4 WGMMA linear's
     (:func:`linear_wgmma_tiling`: token tile, warpgroups, K split, all measured for that kernel); the register
     pipeline holds 4 k-tiles at token tiles up to 64 and 2 at 128 (an FP8 k-tile is 32 bytes a row and thread, twice
-    NVFP4's, beside 64 accumulators), and ptxas is not capped (one CTA per SM where the registers say so)."""
+    NVFP4's, beside 64 accumulators), 128-token tiles run two warpgroups, and ptxas is not capped (the registers
+    say how many CTAs share an SM). None where W has no whole CTA of rows."""
     tiling = linear_wgmma_tiling(n, k, tokens, groups)
+    if tiling is not None and tiling.tile_tokens > 64 and tiling.warpgroups == 1:
+        # one warpgroup staging a 128-token tile holds 64 words of x a thread beside 64 accumulators: ptxas spilled
+        # 48 bytes; two share the staging (and the grid's K split is counted for their 128-row CTAs)
+        tiling = linear_wgmma_tiling(n, k, tokens, groups, warpgroups=2)
     if tiling is None:
         return None
     shares = k // K_TILE // tiling.k_splits
