@@ -149,6 +149,35 @@ class Fp8LinearConfig:
 
 
 @dataclass(frozen=True)
+class Fp8WgmmaConfig:
+    """One compiled FP8 dense linear on warpgroup MMAs (``sm90_fp8_wgmma``): E4M3 weights with 128 x 128 block
+    scales, BF16 x, float32 out; for calls of 32 tokens and more.
+
+    Attributes:
+        n: weight rows per group (out features).
+        k: in features per group, a multiple of 128.
+        groups: G linears of one launch, as ``Fp8LinearConfig.groups`` (N a multiple of 128).
+        tile_tokens: N of the MMAs, tokens per work tile (a multiple of 16, 16..256).
+        warpgroups: warpgroups per CTA (1 or 2), 64 weight rows each.
+        depth: k-tiles of weight loads in flight per thread (2 or 4; 1 only when a CTA walks one k-tile).
+        k_splits: K is split over this many CTAs (grid z), each adding its partial sums into ``out`` (the caller
+            zeroes it).
+        min_ctas: CTAs that must fit on one SM (ptxas caps the registers to match; 1: no cap).
+        scale_f32: the block scales are float32 (-Base checkpoints), not E8M0 bytes.
+    """
+
+    n: int
+    k: int
+    groups: int = 1
+    tile_tokens: int = 128
+    warpgroups: int = 1
+    depth: int = 2
+    k_splits: int = 1
+    min_ctas: int = 1
+    scale_f32: bool = False
+
+
+@dataclass(frozen=True)
 class GemmConfig:
     """One compiled GEMM: its problem and its tiling (the tiling's type picks the kernel family)."""
 

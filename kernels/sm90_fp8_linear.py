@@ -85,7 +85,50 @@ def decode_e4m3x4(w: Int32) -> tuple[Int32, Int32]:
     return tuple(out)
 
 
-class Sm90Fp8Linear:
+class Fp8LinearParts:
+    """What the FP8 linear kernels (this mma.sync one, ``sm90_fp8_wgmma``'s WGMMA one) share: the activation
+    multiplier of a k-tile's block scale and the store of the accumulators. A kernel class mixes it in and sets
+    ``n``, ``groups``, ``row_tiles``, ``nb`` (8-token blocks of a tile), ``k_splits``, ``out_bf16`` and
+    ``scale_f32``."""
+
+    def x_multiplier(self, s) -> Int32:
+        """``2**X_LOG2 * scale`` as a BF16 pair: an E8M0 byte e is ``2**(e - 127)``, so its BF16 exponent field is
+        ``e - 127 + X_LOG2 + 127``; a float32 scale is rounded."""
+        if const_expr(self.scale_f32):
+            m = Float32(s) * Float32(2.0 ** X_LOG2)
+            return ptx.f32x2_to_bf16x2(m, m)
+        bits = (Int32(s) + X_LOG2) << 7
+        return bits | (bits << 16)
+
+    @cute.jit
+    def epilogue(self, acc: cute.Tensor, mOut: cute.Tensor, row_base: Int32, begin: Int32, cnt: Int32, g: Int32,
+                 c: Int32):
+        """Accumulator (mt, nb, tt) is row ``row_base + 16 mt + g`` of token ``nb * 8 + 2c + tt``, (mt, nb, 2 + tt)
+        row + 8 of the same token (the MMA's D fragment)."""
+        out_base = mOut.iterator.toint()
+        row_elems = self.n * self.groups
+        unscale = Float32(2.0 ** (DECODE_LOG2 - X_LOG2))
+        for mt in cutlass.range_constexpr(self.row_tiles):
+            r0 = row_base + mt * 16 + g
+            for nb in cutlass.range_constexpr(self.nb):
+                for tt in cutlass.range_constexpr(2):
+                    t = nb * 8 + 2 * c + tt
+                    if t < cnt:
+                        lo = acc[mt, nb, tt] * unscale
+                        hi = acc[mt, nb, 2 + tt] * unscale
+                        at = Int64(begin + t) * row_elems + Int64(r0)
+                        if const_expr(self.out_bf16):
+                            ptx.st_global_b16(out_base + at * 2, ptx.f32x2_to_bf16x2(lo, lo))
+                            ptx.st_global_b16(out_base + at * 2 + 16, ptx.f32x2_to_bf16x2(hi, hi))
+                        elif const_expr(self.k_splits > 1):     # a share of K: summed with the others'
+                            ptx.red_add_f32(out_base + at * 4, lo)
+                            ptx.red_add_f32(out_base + at * 4 + 32, hi)
+                        else:
+                            ptx.st_global_f32(out_base + at * 4, lo)
+                            ptx.st_global_f32(out_base + at * 4 + 32, hi)
+
+
+class Sm90Fp8Linear(Fp8LinearParts):
     """One compiled configuration of the FP8 linear (module docstring).
 
     Launched as ``fn(w, scale, x, out, stream)``: ``w`` uint8 [G * N, K], ``scale`` uint8 (E8M0) or float32
@@ -98,6 +141,7 @@ class Sm90Fp8Linear:
         self.config = config
         self.n, self.k, self.groups = config.n, config.k, config.groups
         self.row_tiles, self.depth, self.k_splits = config.row_tiles, config.depth, config.k_splits
+        self.out_bf16, self.scale_f32 = config.out_bf16, config.scale_f32
         self.bm = WARPS * 16 * config.row_tiles
         self.bn = config.tile_tokens
         self.nb = config.tile_tokens // 8
@@ -228,15 +272,6 @@ class Sm90Fp8Linear:
                 else:
                     xw[nb, i] = raw[nb, i]
 
-    def x_multiplier(self, s) -> Int32:
-        """``2**X_LOG2 * scale`` as a BF16 pair: an E8M0 byte e is ``2**(e - 127)``, so its BF16 exponent field is
-        ``e - 127 + X_LOG2 + 127``; a float32 scale is rounded."""
-        if const_expr(self.config.scale_f32):
-            m = Float32(s) * Float32(2.0 ** X_LOG2)
-            return ptx.f32x2_to_bf16x2(m, m)
-        bits = (Int32(s) + X_LOG2) << 7
-        return bits | (bits << 16)
-
     @cute.jit
     def mma_ktile(self, cw: cute.Tensor, xw: cute.Tensor, mult: Int32, acc: cute.Tensor):
         # the k-tile's A fragments first (row g's and g + 8's k (4s, 4s + 1) and (4s + 2, 4s + 3) of the lane's 32 at
@@ -256,34 +291,6 @@ class Sm90Fp8Linear:
                                            acc[mt, nb, 3])
                     for i in cutlass.range_constexpr(4):
                         acc[mt, nb, i] = d[i]
-
-    @cute.jit
-    def epilogue(self, acc: cute.Tensor, mOut: cute.Tensor, row_base: Int32, begin: Int32, cnt: Int32, g: Int32,
-                 c: Int32):
-        """Accumulator (mt, nb, tt) is row ``row_base + 16 mt + g`` of token ``nb * 8 + 2c + tt``, (mt, nb, 2 + tt)
-        row + 8 of the same token (the MMA's D fragment)."""
-        out_base = mOut.iterator.toint()
-        row_elems = self.n * self.groups
-        unscale = Float32(2.0 ** (DECODE_LOG2 - X_LOG2))
-        for mt in cutlass.range_constexpr(self.row_tiles):
-            r0 = row_base + mt * 16 + g
-            for nb in cutlass.range_constexpr(self.nb):
-                for tt in cutlass.range_constexpr(2):
-                    t = nb * 8 + 2 * c + tt
-                    if t < cnt:
-                        lo = acc[mt, nb, tt] * unscale
-                        hi = acc[mt, nb, 2 + tt] * unscale
-                        at = Int64(begin + t) * row_elems + Int64(r0)
-                        if const_expr(self.config.out_bf16):
-                            ptx.st_global_b16(out_base + at * 2, ptx.f32x2_to_bf16x2(lo, lo))
-                            ptx.st_global_b16(out_base + at * 2 + 16, ptx.f32x2_to_bf16x2(hi, hi))
-                        elif const_expr(self.k_splits > 1):     # a share of K: summed with the others'
-                            ptx.red_add_f32(out_base + at * 4, lo)
-                            ptx.red_add_f32(out_base + at * 4 + 32, hi)
-                        else:
-                            ptx.st_global_f32(out_base + at * 4, lo)
-                            ptx.st_global_f32(out_base + at * 4 + 32, hi)
-
 
 class Sm90Fp8Dequant:
     """An FP8 weight dequantised to BF16 (``fp8 * scale``, exact with E8M0 scales; float32 scales: the float32

@@ -11,7 +11,7 @@ import functools
 from dataclasses import replace
 
 from .sm90_config import (ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, CompressStepConfig, Fp8LinearConfig,
-                          GemmConfig, GemmProblem, MmaTiling, MoePlan, MoeShape, WgmmaTiling)
+                          Fp8WgmmaConfig, GemmConfig, GemmProblem, MmaTiling, MoePlan, MoeShape, WgmmaTiling)
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)      # mma.sync token tiles
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
@@ -253,6 +253,34 @@ def wgmma_tiling(tile_tokens: int, min_tokens: int, hidden: int, k: int, sms: in
         shape = dict(l2_ahead=WGMMA_L2_AHEAD, prefetch_next=sms)
     depth = fit_depth(k // K_TILE, shape.pop("depth", 4))
     return WgmmaTiling(tile_tokens=tile_tokens, min_tokens=min_tokens, depth=depth, **shape)
+
+
+def fp8_wgmma_config(n: int, k: int, tokens: int, groups: int = 1, scale_f32: bool = False
+                     ) -> Fp8WgmmaConfig | None:
+    """The FP8 WGMMA linear (``sm90_fp8_wgmma``) for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K], or
+    None where it does not tile W. Not yet picked by :func:`fp8_linear_config` (nothing the runtime runs calls
+    it): the benchmark times it beside the runtime's paths. The grid is the NVFP4 WGMMA linear's
+    (:func:`linear_wgmma_tiling`: token tile, warpgroups, K split, all measured for that kernel); the register
+    pipeline holds 4 k-tiles at token tiles up to 64 and 2 at 128 (an FP8 k-tile is 32 bytes a row and thread, twice
+    NVFP4's, beside 64 accumulators), 128-token tiles run two warpgroups, and ptxas is not capped (the registers
+    say how many CTAs share an SM). None where W has no whole CTA of rows."""
+    tiling = linear_wgmma_tiling(n, k, tokens, groups)
+    if tiling is not None and tiling.tile_tokens > 64 and tiling.warpgroups == 1:
+        # one warpgroup staging a 128-token tile holds 64 words of x a thread beside 64 accumulators: ptxas spilled
+        # 48 bytes; two share the staging (and the grid's K split is counted for their 128-row CTAs)
+        tiling = linear_wgmma_tiling(n, k, tokens, groups, warpgroups=2)
+    if tiling is None:
+        return None
+    shares = k // K_TILE // tiling.k_splits
+    return Fp8WgmmaConfig(n=n, k=k, groups=groups, tile_tokens=tiling.tile_tokens, warpgroups=tiling.warpgroups,
+                          depth=fit_depth(shares, 4 if tiling.tile_tokens <= 64 else 2), k_splits=tiling.k_splits,
+                          scale_f32=scale_f32)
+
+
+def fp8_wgmma_token_counts() -> tuple[int, ...]:
+    """Token counts that between them reach every configuration :func:`fp8_wgmma_config` picks for a weight: each
+    token tile as one call fills it, and a call of two 128-token tiles (every longer call runs the same)."""
+    return tuple(sorted(set(LINEAR_WGMMA_TILES) | {2 * LINEAR_WGMMA_TILES[-1]}))
 
 
 # -- the MoE layer ---------------------------------------------------------------------------------------------------

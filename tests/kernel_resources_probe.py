@@ -94,8 +94,9 @@ def jobs(every: bool) -> list[tuple]:
     from nvfp4_megamoe.kernels.sm90_qkv_step import QkvStepConfig, Sm90QkvStep, stand_in_operands as qkv_operands
     from nvfp4_megamoe.kernels.sm90_router import RouterConfig
     from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Dequant, Sm90Fp8Linear
+    from nvfp4_megamoe.kernels.sm90_fp8_wgmma import Sm90Fp8WgmmaLinear
     from nvfp4_megamoe.kernels.sm90_heuristics import (compress_step_config, fp8_linear_config, fp8_linear_token_counts,
-                                                       fp8_reads_f32_x)
+                                                       fp8_reads_f32_x, fp8_wgmma_config, fp8_wgmma_token_counts)
     from sm90_stand_ins import FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args
 
     found: dict[tuple, tuple] = {}
@@ -148,6 +149,18 @@ def jobs(every: bool) -> list[tuple]:
     record(Sm90Fp8Linear(decode), fp8_linear_args())
     record(Sm90Fp8Linear(replace(decode, scale_f32=True)), fp8_linear_args(scale_f32=True))
     record(Sm90Fp8Linear(fp8_linear_config(1024, 4096, 1, out_bf16=True)), fp8_linear_args(out_bf16=True))
+    # the FP8 WGMMA linear (not launched by the runtime yet; the benchmark's ``fp8_wgmma``): one configuration per
+    # register shape (token tile, warpgroups, depth) V4's weights pick, and the float32-scale form of the widest
+    wgmma_shapes: dict[tuple, object] = {}
+    for n, k, groups in FP8_LINEAR_SHAPES:
+        for tokens in fp8_wgmma_token_counts():
+            config = fp8_wgmma_config(n, k, tokens, groups)
+            if config is not None:
+                wgmma_shapes.setdefault((config.tile_tokens, config.warpgroups, config.depth), config)
+    for config in wgmma_shapes.values():
+        record(Sm90Fp8WgmmaLinear(config), fp8_linear_args())
+    widest = max(wgmma_shapes.values(), key=lambda config: (config.tile_tokens, config.warpgroups, config.depth))
+    record(Sm90Fp8WgmmaLinear(replace(widest, scale_f32=True)), fp8_linear_args(scale_f32=True))
     for scale_f32 in (False, True):
         w, scale, x, _ = fp8_linear_args(scale_f32=scale_f32)
         record(Sm90Fp8Dequant(scale_f32=scale_f32), [w, scale, x.new_zeros(w.shape)])
