@@ -15,6 +15,8 @@ costs a few shuffles and one division a lane: at V4-Flash's shapes (4 streams of
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -36,6 +38,35 @@ def _exp(x: Float32) -> Float32:
 
 def _sigmoid(x: Float32) -> Float32:
     return Float32(1.0) / (Float32(1.0) + _exp(-x))
+
+
+def _row_entry(mMM: cute.Tensor, t: Int32, i: int) -> Float32:
+    """Entry ``i`` of row ``t`` of the products ``x @ fn.T`` (``Sm90HcPre``: cuBLAS's, in global memory)."""
+    return mMM[t, i]
+
+
+def _weights(op, mix, mBase: cute.Tensor, mScale: cute.Tensor, lane, r) -> tuple:
+    """One warp: a token's mixes (its raw products ``mix(i)`` times the RMS norm's reciprocal ``r``) and weights:
+    lane ``i * hc + j``'s comb entry (i, j), and lane ``i``'s pre and post (``op``: the kernel, for ``hc``,
+    ``iters`` and ``eps``). A row is ``hc`` neighbouring lanes (shuffles across the low bits), a column every
+    ``hc``-th lane (the next bits); lanes past the comb's ``hc * hc`` entries repeat them among themselves (traced
+    unrolled: plain Python loops). ``mix`` is called in the same places for every kernel, so ``Sm90HcPre`` traces
+    the instructions it did when this was its own method."""
+    hc = op.hc
+    bits = hc.bit_length() - 1
+    eps = Float32(op.eps)
+    e = lane % (hc * hc)
+    logit = mix(2 * hc + e) * r * mScale[2] + mBase[2 * hc + e]
+    ex = _exp(logit - ptx.lane_max(logit, 0, bits))               # softmax of the row, + eps
+    c = ex * (Float32(1.0) / ptx.lane_sum(ex, 0, bits)) + eps
+    c = c * (Float32(1.0) / (ptx.lane_sum(c, bits, bits) + eps))  # the first column normalisation
+    for _ in range(op.iters - 1):
+        c = c * (Float32(1.0) / (ptx.lane_sum(c, 0, bits) + eps))
+        c = c * (Float32(1.0) / (ptx.lane_sum(c, bits, bits) + eps))
+    i = lane % hc
+    pre = _sigmoid(mix(i) * r * mScale[0] + mBase[i]) + eps
+    post = Float32(2.0) * _sigmoid(mix(hc + i) * r * mScale[1] + mBase[hc + i])
+    return c, pre, post
 
 
 class Sm90HcPre:
@@ -101,8 +132,8 @@ class Sm90HcPre:
         # 2. the first warp: the mixes (raw products over the RMS), the weights, pre into shared memory
         if tidx < 32:
             total = ptx.shared_sum_f32(sb, n_warps)
-            c, pre, post = self.token(mMM, mBase, mScale, t, tidx,
-                                      cute.math.rsqrt(total / Float32(width) + Float32(self.norm_eps)))
+            c, pre, post = _weights(self, functools.partial(_row_entry, mMM, t), mBase, mScale, tidx,
+                                    cute.math.rsqrt(total / Float32(width) + Float32(self.norm_eps)))
             if tidx < hc * hc:
                 mComb[t, tidx] = c
             if tidx < hc:
@@ -160,27 +191,6 @@ class Sm90HcPre:
             for e in cutlass.range_constexpr(4):
                 acc[e] = acc[e] + pre[i] * v[e]
         return acc
-
-    def token(self, mMM, mBase, mScale, t, lane, r) -> tuple:
-        """The first warp: the token's mixes (its raw products times the RMS norm's reciprocal ``r``) and weights:
-        lane ``i * hc + j``'s comb entry (i, j), and lane ``i``'s pre and post. A row is ``hc`` neighbouring lanes
-        (shuffles across the low bits), a column every ``hc``-th lane (the next bits); lanes past the comb's
-        ``hc * hc`` entries repeat them among themselves (traced unrolled: plain Python loops)."""
-        hc = self.hc
-        bits = hc.bit_length() - 1
-        eps = Float32(self.eps)
-        e = lane % (hc * hc)
-        logit = mMM[t, 2 * hc + e] * r * mScale[2] + mBase[2 * hc + e]
-        ex = _exp(logit - ptx.lane_max(logit, 0, bits))               # softmax of the row, + eps
-        c = ex * (Float32(1.0) / ptx.lane_sum(ex, 0, bits)) + eps
-        c = c * (Float32(1.0) / (ptx.lane_sum(c, bits, bits) + eps))  # the first column normalisation
-        for _ in range(self.iters - 1):
-            c = c * (Float32(1.0) / (ptx.lane_sum(c, 0, bits) + eps))
-            c = c * (Float32(1.0) / (ptx.lane_sum(c, bits, bits) + eps))
-        i = lane % hc
-        pre = _sigmoid(mMM[t, i] * r * mScale[0] + mBase[i]) + eps
-        post = Float32(2.0) * _sigmoid(mMM[t, hc + i] * r * mScale[1] + mBase[hc + i])
-        return c, pre, post
 
 
 class Sm90HcPost:
