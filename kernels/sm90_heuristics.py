@@ -11,7 +11,8 @@ import functools
 from dataclasses import replace
 
 from .sm90_config import (ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, CompressStepConfig, Fp8LinearConfig,
-                          Fp8WgmmaConfig, GemmConfig, GemmProblem, MmaTiling, MoePlan, MoeShape, WgmmaTiling)
+                          Fp8WgmmaConfig, GemmConfig, GemmProblem, HcPreFusedConfig, MmaTiling, MoePlan, MoeShape,
+                          WgmmaTiling)
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)      # mma.sync token tiles
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
@@ -399,3 +400,32 @@ def compress_step_config(ratio: int, dim: int, overlap: bool, rope_dim: int, eps
                  default=1)
     return CompressStepConfig(ratio=ratio, dim=dim, overlap=overlap, rope_dim=rope_dim, eps=float(eps),
                               cluster=cluster, groups=groups)
+
+
+# -- mHC hc_pre with its product by fn --------------------------------------------------------------------------------
+HC_PRE_CLUSTERS = (16, 8, 4, 2, 1)   # CTAs of a token, largest first; 16 is Hopper's largest (non-portable) cluster
+HC_PRE_PORTABLE_CLUSTER = 8          # the largest cluster any GPC of the H200 places
+HC_PRE_MAX_THREADS = 1024            # a CTA's threads: one 16-byte piece of the token's streams each
+
+
+def hc_pre_fused_config(hc: int, hidden: int, tokens: int, *, iters: int, hc_eps: float, norm_eps: float,
+                        norm: bool = True, sms: int = 132) -> HcPreFusedConfig:
+    """How ``Sm90HcPreFused`` spreads a token over a cluster of CTAs.
+
+    At a decode step's few tokens the launch is latency: a token reads all of ``fn`` (24 x hc x H floats: 1.5 MB for
+    V4-Flash, 2.75 MB for V4-Pro), which one SM pulls at roughly 100 GB/s, so the reads are split over as many SMs
+    as a cluster holds, each CTA's loads all in flight at once (one 16-byte piece of the streams and the 24 of
+    ``fn`` that multiply it a thread). 16-CTA clusters (non-portable: CuTeDSL opts every kernel in) while the grid
+    stays within one wave of ``sms`` CTAs, else 8, the portable size (a GPC with fewer than 16 SMs free cannot place
+    a 16-CTA cluster, so a grid of them queues); a cluster must cut each stream into whole 16-byte pieces and keep
+    its CTAs within ``HC_PRE_MAX_THREADS`` threads. Not yet measured: ``bench/hc_pre_bench.py`` times the clusters
+    and ``sm90_hc_pre`` side by side."""
+    config = None
+    for cluster in HC_PRE_CLUSTERS:
+        config = HcPreFusedConfig(hc=hc, hidden=hidden, iters=iters, hc_eps=float(hc_eps), norm_eps=float(norm_eps),
+                                  norm=norm, cluster=cluster)
+        if cluster > HC_PRE_PORTABLE_CLUSTER and tokens * cluster > sms:
+            continue
+        if hidden % (4 * cluster) == 0 and config.threads <= HC_PRE_MAX_THREADS:
+            return config
+    return config
