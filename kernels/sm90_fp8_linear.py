@@ -41,7 +41,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import K_TILE, Fp8LinearConfig
-from .sm90_heuristics import fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts, fp8_reads_f32_x
+from .sm90_heuristics import (fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts, fp8_reads_f32_x,
+                              fp8_wgmma_pays)
 
 WARPS = 4                 # row groups (warps) per CTA, each 16 * row_tiles weight rows
 SCALE_BLOCK = 128         # rows and columns of one block scale
@@ -391,7 +392,12 @@ def warmup(n: int, k: int, device: torch.device | str, scale_dtype: torch.dtype 
     for config in configs:
         _compile(linear_op(config), [w, s, x if config.x_f32 else x.to(torch.bfloat16), out])
     _compile(Sm90Fp8Dequant(scale_f32=scale_f32), [w, s, torch.empty(w.shape, dtype=torch.bfloat16, device=dev)])
-    return len(configs) + 1
+    wgmma = 0
+    if out_dtype == torch.float32:
+        from . import sm90_fp8_wgmma
+
+        wgmma = sm90_fp8_wgmma.warmup(n, k, dev, scale_dtype, groups)
+    return len(configs) + 1 + wgmma
 
 
 def _dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
@@ -418,8 +424,9 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     ``sm90_heuristics.fp8_reads_f32_x`` says no); ``weight``
     float8_e4m3fn or its uint8 bytes [G * N, K] (group g: rows g N .. (g + 1) N); ``scale`` [ceil(G * N / 128),
     K / 128], E8M0 (float8_e8m0fnu or uint8 bytes) or float32. Returns ``out_dtype`` (float32 or BF16) [T, G * N].
-    Calls of more tokens than the kernel pays for (``sm90_heuristics.fp8_kernel_pays``) dequantise W to BF16 and run
-    cuBLAS."""
+    Calls of the token counts ``sm90_heuristics.fp8_wgmma_pays`` names run the WGMMA kernel (``sm90_fp8_wgmma``,
+    float32 out, where it tiles W); calls of more tokens than the mma.sync kernel pays for
+    (``sm90_heuristics.fp8_kernel_pays``) dequantise W to BF16 and run cuBLAS."""
     _expect(groups >= 1 and weight.dim() == 2 and weight.shape[0] % groups == 0,
             f"weight rows {tuple(weight.shape)} must split into {groups} groups")
     n, k = weight.shape[0] // groups, weight.shape[1]
@@ -437,6 +444,11 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     _expect(tuple(out.shape) == (x.shape[0], groups * n) and out.dtype in (torch.bfloat16, torch.float32)
             and out.is_contiguous(), f"out must be contiguous bf16/f32 [T, G*N={groups * n}], got {out.dtype} "
                                      f"{tuple(out.shape)}")
+    if fp8_wgmma_pays(x.shape[0]) and out.dtype == torch.float32:
+        from . import sm90_fp8_wgmma   # it builds on this module's parts
+
+        if sm90_fp8_wgmma.can_implement(n, k, x.shape[0], groups):
+            return sm90_fp8_wgmma.sm90_fp8_linear_wgmma(x, weight, scale, out, groups)
     if not fp8_kernel_pays(x.shape[0]):
         return _dequantized_linear(x, weight, scale, out, groups)
     if x.dtype == torch.float32 and not fp8_reads_f32_x(x.shape[0]):

@@ -54,7 +54,7 @@ from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import K_TILE, Fp8WgmmaConfig
 from .sm90_fp8_linear import LANE_K, SCALE_BLOCK, Fp8LinearParts, _scale_operand, decode_e4m3x4
-from .sm90_heuristics import fp8_wgmma_config, fp8_wgmma_token_counts
+from .sm90_heuristics import fp8_wgmma_config, fp8_wgmma_pays, fp8_wgmma_token_counts
 
 STAGES = 3           # staged x tiles: the MMAs' (kt), the one in flight before them (kt - 1), the one being stored
 UNIT_WORDS = 16      # 32-bit words (BF16 pairs) a staging unit moves a k-tile: four runs of four
@@ -297,8 +297,9 @@ def linear_op(config: Fp8WgmmaConfig) -> Sm90Fp8WgmmaLinear:
 
 def warmup(n: int, k: int, device: torch.device | str, scale_dtype: torch.dtype = torch.uint8,
            groups: int = 1) -> int:
-    """Compile every configuration :func:`sm90_fp8_linear_wgmma` can pick for ``groups`` W [N, K] with these scales
-    (``sm90_heuristics.fp8_wgmma_token_counts``), so no call compiles; returns how many."""
+    """Compile every configuration :func:`sm90_fp8_linear_wgmma` picks for ``groups`` W [N, K] with these scales at the
+    token counts ``sm90_fp8_linear`` gives it (``sm90_heuristics.fp8_wgmma_pays``), so no call compiles; returns how
+    many (0 where it does not tile W)."""
     dev = torch.device(device)
     scale_f32 = scale_dtype == torch.float32
     w = torch.empty(groups * n, k, dtype=torch.uint8, device=dev)
@@ -306,8 +307,8 @@ def warmup(n: int, k: int, device: torch.device | str, scale_dtype: torch.dtype 
                     device=dev)
     x = torch.empty(1, groups * k, dtype=torch.bfloat16, device=dev)
     out = torch.empty(1, groups * n, dtype=torch.float32, device=dev)
-    configs = {fp8_wgmma_config(n, k, t, groups, scale_f32) for t in fp8_wgmma_token_counts()}
-    _expect(None not in configs, f"the FP8 WGMMA linear does not tile {groups} W [{n}, {k}]")
+    configs = {fp8_wgmma_config(n, k, t, groups, scale_f32) for t in fp8_wgmma_token_counts() if fp8_wgmma_pays(t)}
+    configs = {c for c in configs if c is not None and Sm90Fp8WgmmaLinear.can_implement(c)}
     for config in configs:
         _compile(linear_op(config), [w, s, x, out])
     return len(configs)

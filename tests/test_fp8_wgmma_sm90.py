@@ -91,7 +91,11 @@ def test_fp8_wgmma_compiles_sm90a(config):
 
 @pytest.mark.skipif(os.environ["CUTE_DSL_ARCH"] != "sm_90a", reason="CUTE_DSL_ARCH names another target")
 def test_warmup_compiles_every_pick():
-    assert wg.warmup(1024, 1024, "cpu", scale_dtype=torch.float32, groups=8) >= 3
+    """Every configuration a call the FP8 linear hands the WGMMA kernel (33 to 128 tokens) picks, and no other."""
+    from nvfp4_megamoe.kernels.sm90_heuristics import FP8_WGMMA_TOKENS, fp8_wgmma_config
+
+    picks = {fp8_wgmma_config(1024, 1024, t, 8, True) for t in range(FP8_WGMMA_TOKENS[0], FP8_WGMMA_TOKENS[1] + 1)}
+    assert wg.warmup(1024, 1024, "cpu", scale_dtype=torch.float32, groups=8) == len(picks) == 2
 
 
 def _operands(n: int, k: int, groups: int, scale_f32: bool, tokens: int, seed: int):

@@ -96,7 +96,8 @@ def test_hc_pre_fused_config_bounds():
     assert not Sm90HcPreFused.can_implement(HcPreFusedConfig(hidden=7168, cluster=4, **kw))   # 1792 threads
     assert not Sm90HcPreFused.can_implement(HcPreFusedConfig(hidden=4100, cluster=16, **kw))  # 4100 / 16 / 4
     assert not Sm90HcPreFused.can_implement(HcPreFusedConfig(hidden=4096, cluster=3, **kw))
-    assert hc_pre_fused_config(4, 4096, 200, **{k: v for k, v in kw.items() if k != "hc"}).cluster == 8
+    picks = {t: hc_pre_fused_config(4, 4096, t, **{k: v for k, v in kw.items() if k != "hc"}).cluster for t in (1, 4, 8, 200)}
+    assert picks == {1: 16, 4: 16, 8: 8, 200: 8}   # 16 CTAs while the grid fills at most half of 132 SMs
     with pytest.raises(ValueError, match="hc_pre with its product"):
         Sm90HcPreFused(HcPreFusedConfig(hidden=4096, cluster=16, **{**kw, "hc": 3}))
 
