@@ -7,6 +7,9 @@ runtime calls them), at T = 1, 8, 32, 64, 128 tokens (``--prefill``: also 2048):
 * ``fp8``: ``sm90_fp8_linear`` as the heuristics pick it (``fp8_linear_config``), x BF16; ``fp8_x32`` the same
   reading float32 x (the runtime's activations; calls of up to ``sm90_heuristics.fp8_reads_f32_x`` tokens run it);
   with ``--sweep`` also its K splits (``fp8_s<S>``) and, at 32 tokens, one row tile (``fp8_rt1``);
+* ``fp8_wgmma`` (T >= 32): the FP8 WGMMA linear (``sm90_fp8_wgmma``, ``sm90_heuristics.fp8_wgmma_config``'s pick),
+  x BF16: the draft for calls of 32 tokens and more, which the runtime does not run yet (``sm90_fp8_linear`` runs
+  the mma.sync kernel up to 64 tokens, ``dequant_bf16`` past them); timed here to decide whether it should;
 * ``dequant_bf16``: the weight dequantised to BF16, then cuBLAS BF16 (float32 accumulation and out): what
   ``sm90_fp8_linear`` runs past the kernel's token range (``sm90_heuristics.fp8_kernel_pays``);
 * ``reference``: what a FP8 linear costs without the kernel (``fp8_linear``: the weight dequantised to float32 at
@@ -36,6 +39,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+WGMMA_MIN_TOKENS = 32   # calls from this many tokens also time the FP8 WGMMA linear (``fp8_wgmma``)
 
 
 def fp8_shapes(preset: str) -> list[tuple[str, int, int, int]]:
@@ -93,20 +99,22 @@ def runtime_path(tokens: int) -> str:
 def layer_summary(rows: list[dict], tokens: int, fp8_rate: float) -> dict:
     """A layer's FP8 linears at ``tokens``: the time of the path the runtime runs (:func:`runtime_path`), against
     the sum of the rows' floors and against their FLOPs at the FP8 matmul rate (the prefill goal's measure), and
-    the NVFP4 linears of the same shapes."""
+    the NVFP4 linears of the same shapes and the FP8 WGMMA linear (NaN where a row has no ``fp8_wgmma``)."""
     sel = [r for r in rows if r["tokens"] == tokens]
     path = runtime_path(tokens)
     us = sum(r[path + "_us"] for r in sel)
     floor = sum(r["floor_us"] for r in sel)
     at_fp8_rate = sum(2 * r["tokens"] * r["groups"] * r["n"] * r["k"] for r in sel) / fp8_rate * 1e6
     return dict(path=path, us=us, floor_us=floor, of_floor=floor / us, fp8_rate_us=at_fp8_rate,
-                of_fp8_rate=at_fp8_rate / us, nvfp4_us=sum(r.get("nvfp4_us", 0.0) for r in sel))
+                of_fp8_rate=at_fp8_rate / us, nvfp4_us=sum(r.get("nvfp4_us", 0.0) for r in sel),
+                fp8_wgmma_us=sum(r.get("fp8_wgmma_us", float("nan")) for r in sel))
 
 
 def main(argv: list[str] | None = None) -> None:
     from gpu_timing import ColdTimer, measure_bf16_matmul, measure_copy, time_into
 
-    from nvfp4_megamoe.kernels import cute_host, sm90_fp8_linear as fp8
+    from nvfp4_megamoe.kernels import cute_host, sm90_fp8_linear as fp8, sm90_fp8_wgmma as fp8_wgmma
+    from nvfp4_megamoe.kernels.sm90_heuristics import fp8_wgmma_config
     from nvfp4_megamoe.kernels import sm90_nvfp4_linear as nvfp4
     from nvfp4_megamoe.kernels.fp8_reference import fp8_linear
     from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
@@ -135,16 +143,20 @@ def main(argv: list[str] | None = None) -> None:
         for t in tokens:
             x = torch.randn(t, groups * k, device="cuda", generator=gen).to(torch.bfloat16)
             out = torch.empty(t, groups * n, device="cuda")
-            cases.append((name, n, k, groups, t, w, sc, w4, s4, alpha, x, out, variants(n, k, t, groups, args.sweep)))
+            found = variants(n, k, t, groups, args.sweep)
+            wgmma = fp8_wgmma_config(n, k, t, groups) if t >= WGMMA_MIN_TOKENS else None
+            cases.append((name, n, k, groups, t, w, sc, w4, s4, alpha, x, out, found, wgmma))
     with cute_host.collecting() as jobs:
-        for name, n, k, groups, t, w, sc, w4, s4, alpha, x, out, found in cases:
+        for name, n, k, groups, t, w, sc, w4, s4, alpha, x, out, found, wgmma in cases:
             for config in found.values():
                 cute_host.compile_op(fp8.linear_op(config), [w[0], sc[0], x.float() if config.x_f32 else x, out])
+            if wgmma is not None:
+                cute_host.compile_op(fp8_wgmma.linear_op(wgmma), [w[0], sc[0], x, out])
             nvfp4.warmup(n, k, "cuda", groups=groups)
     print(f"compiled {cute_host.compile_all(jobs)} kernels")
 
     rows_out = []
-    for name, n, k, groups, t, w, sc, w4, s4, alpha, x, out, found in cases:
+    for name, n, k, groups, t, w, sc, w4, s4, alpha, x, out, found, wgmma in cases:
         chain = range(args.chain)
         nbytes = groups * n * k + sc[0].numel() + x.numel() * 2 + out.numel() * 4
         floor = max(nbytes / copy_bw, 2 * t * groups * n * k / bf16_rate)
@@ -160,6 +172,16 @@ def main(argv: list[str] | None = None) -> None:
                         out.zero_()
                     cute_host.launch(op, [w[i], sc[i], xk, out])
             time_into(row, key, run, timer, args.reps)
+        if wgmma is not None:
+            op = fp8_wgmma.linear_op(wgmma)
+            row["picked_wgmma"] = repr(wgmma)
+
+            def run_wgmma(op=op):
+                for i in chain:
+                    if op.k_splits > 1:
+                        out.zero_()
+                    cute_host.launch(op, [w[i], sc[i], x, out])
+            time_into(row, "fp8_wgmma", run_wgmma, timer, args.reps)
         time_into(row, "dequant_bf16", lambda: [fp8._dequantized_linear(x, w[i], sc[i], out, groups) for i in chain],
                   timer, args.reps)
         wf8 = w.view(torch.float8_e4m3fn)
@@ -180,13 +202,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:13s} N={n:6d} K={k:5d} G={groups} T={t:5d}: fp8 {got:7.1f} us ({row['floor_us'] / got:5.1%} of "
               f"floor {row['floor_us']:6.1f}); best {best[1][:-3]} {best[0]:7.1f}; dequant_bf16 "
               f"{row.get('dequant_bf16_us', float('nan')):7.1f}; nvfp4 "
-              f"{row.get('nvfp4_us', float('nan')):7.1f}; scaled_mm {row.get('scaled_mm_us', float('nan')):7.1f}; "
+              f"{row.get('nvfp4_us', float('nan')):7.1f}; fp8_wgmma {row.get('fp8_wgmma_us', float('nan')):7.1f}; "
+              f"scaled_mm {row.get('scaled_mm_us', float('nan')):7.1f}; "
               f"reference {row.get('reference_us', float('nan')):8.1f}")
     for t in tokens:
         got = layer_summary(rows_out, t, fp8_rate)
         print(f"T={t}: a layer's FP8 linears as the runtime runs them ({got['path']}) {got['us']:.1f} us, floor "
               f"{got['floor_us']:.1f} us ({got['of_floor']:.1%}), at the FP8 rate {got['fp8_rate_us']:.1f} us "
-              f"({got['of_fp8_rate']:.1%}); NVFP4 {got['nvfp4_us']:.1f} us")
+              f"({got['of_fp8_rate']:.1%}); NVFP4 {got['nvfp4_us']:.1f} us; FP8 WGMMA {got['fp8_wgmma_us']:.1f} us")
     print(f"copy {copy_bw / 1e12:.2f} TB/s, BF16 matmul {bf16_rate / 1e12:.0f} TFLOP/s, FP8 matmul "
           f"{fp8_rate / 1e12:.0f} TFLOP/s")
     if args.json:

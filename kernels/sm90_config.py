@@ -1,5 +1,5 @@
-"""Static configurations of the SM90 NVFP4 GEMMs, of the MoE layer and of the decode compressor step: what a
-compiled kernel is specialised on.
+"""Static configurations of the SM90 NVFP4 GEMMs, of the MoE layer, of the decode compressor step and of the mHC
+``hc_pre`` with its product by ``fn``: what a compiled kernel is specialised on.
 
 Frozen dataclasses, so a configuration is a value: it keys the compile cache (``cute_host``), it prints as what it
 is, and a kernel object cannot drift from it. ``sm90_heuristics`` builds them from the layer shape and the token
@@ -149,6 +149,35 @@ class Fp8LinearConfig:
 
 
 @dataclass(frozen=True)
+class Fp8WgmmaConfig:
+    """One compiled FP8 dense linear on warpgroup MMAs (``sm90_fp8_wgmma``): E4M3 weights with 128 x 128 block
+    scales, BF16 x, float32 out; for calls of 32 tokens and more.
+
+    Attributes:
+        n: weight rows per group (out features).
+        k: in features per group, a multiple of 128.
+        groups: G linears of one launch, as ``Fp8LinearConfig.groups`` (N a multiple of 128).
+        tile_tokens: N of the MMAs, tokens per work tile (a multiple of 16, 16..256).
+        warpgroups: warpgroups per CTA (1 or 2), 64 weight rows each.
+        depth: k-tiles of weight loads in flight per thread (2 or 4; 1 only when a CTA walks one k-tile).
+        k_splits: K is split over this many CTAs (grid z), each adding its partial sums into ``out`` (the caller
+            zeroes it).
+        min_ctas: CTAs that must fit on one SM (ptxas caps the registers to match; 1: no cap).
+        scale_f32: the block scales are float32 (-Base checkpoints), not E8M0 bytes.
+    """
+
+    n: int
+    k: int
+    groups: int = 1
+    tile_tokens: int = 128
+    warpgroups: int = 1
+    depth: int = 2
+    k_splits: int = 1
+    min_ctas: int = 1
+    scale_f32: bool = False
+
+
+@dataclass(frozen=True)
 class GemmConfig:
     """One compiled GEMM: its problem and its tiling (the tiling's type picks the kernel family)."""
 
@@ -197,6 +226,45 @@ class CompressStepConfig:
     def slots(self) -> int:
         """Slots of the window one thread pools (with the overlap, as many of ``prev`` too)."""
         return self.ratio // self.groups
+
+
+@dataclass(frozen=True)
+class HcPreFusedConfig:
+    """One compiled mHC ``hc_pre`` with its product by ``fn`` (``sm90_mhc.Sm90HcPreFused``): the token's shape, the
+    weights' settings, and how a token is spread (``sm90_heuristics.hc_pre_fused_config`` picks ``cluster``).
+
+    Attributes:
+        hc: streams per token (V4: 4).
+        hidden: H, the width of a stream (V4-Flash 4096, V4-Pro 7168).
+        iters: Sinkhorn rounds of the comb (the first column normalisation counts as one).
+        hc_eps: the weights' epsilon. norm_eps: the RMS norms' epsilon (the streams' and the sublayer's).
+        norm: the sublayer's RMSNorm (with its weight) follows the collapse in the same launch.
+        cluster: CTAs of a token, one thread-block cluster: CTA ``r`` takes columns ``[r * H / cluster, (r + 1) *
+            H / cluster)`` of every stream, of ``fn``'s matching columns and of the sublayer input.
+    """
+
+    hc: int
+    hidden: int
+    iters: int
+    hc_eps: float
+    norm_eps: float
+    norm: bool = True
+    cluster: int = 1
+
+    @property
+    def columns(self) -> int:
+        """Columns of each stream (and of the sublayer input) one CTA takes."""
+        return self.hidden // self.cluster
+
+    @property
+    def chunks(self) -> int:
+        """16-byte pieces of the token's streams one CTA reads: one a thread."""
+        return self.hc * self.columns // 4
+
+    @property
+    def threads(self) -> int:
+        """Threads of a CTA: :attr:`chunks` rounded up to whole warps."""
+        return -(-self.chunks // 32) * 32
 
 
 @dataclass(frozen=True)

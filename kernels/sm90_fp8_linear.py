@@ -41,7 +41,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import K_TILE, Fp8LinearConfig
-from .sm90_heuristics import fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts, fp8_reads_f32_x
+from .sm90_heuristics import (fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts, fp8_reads_f32_x,
+                              fp8_wgmma_pays)
 
 WARPS = 4                 # row groups (warps) per CTA, each 16 * row_tiles weight rows
 SCALE_BLOCK = 128         # rows and columns of one block scale
@@ -85,7 +86,50 @@ def decode_e4m3x4(w: Int32) -> tuple[Int32, Int32]:
     return tuple(out)
 
 
-class Sm90Fp8Linear:
+class Fp8LinearParts:
+    """What the FP8 linear kernels (this mma.sync one, ``sm90_fp8_wgmma``'s WGMMA one) share: the activation
+    multiplier of a k-tile's block scale and the store of the accumulators. A kernel class mixes it in and sets
+    ``n``, ``groups``, ``row_tiles``, ``nb`` (8-token blocks of a tile), ``k_splits``, ``out_bf16`` and
+    ``scale_f32``."""
+
+    def x_multiplier(self, s) -> Int32:
+        """``2**X_LOG2 * scale`` as a BF16 pair: an E8M0 byte e is ``2**(e - 127)``, so its BF16 exponent field is
+        ``e - 127 + X_LOG2 + 127``; a float32 scale is rounded."""
+        if const_expr(self.scale_f32):
+            m = Float32(s) * Float32(2.0 ** X_LOG2)
+            return ptx.f32x2_to_bf16x2(m, m)
+        bits = (Int32(s) + X_LOG2) << 7
+        return bits | (bits << 16)
+
+    @cute.jit
+    def epilogue(self, acc: cute.Tensor, mOut: cute.Tensor, row_base: Int32, begin: Int32, cnt: Int32, g: Int32,
+                 c: Int32):
+        """Accumulator (mt, nb, tt) is row ``row_base + 16 mt + g`` of token ``nb * 8 + 2c + tt``, (mt, nb, 2 + tt)
+        row + 8 of the same token (the MMA's D fragment)."""
+        out_base = mOut.iterator.toint()
+        row_elems = self.n * self.groups
+        unscale = Float32(2.0 ** (DECODE_LOG2 - X_LOG2))
+        for mt in cutlass.range_constexpr(self.row_tiles):
+            r0 = row_base + mt * 16 + g
+            for nb in cutlass.range_constexpr(self.nb):
+                for tt in cutlass.range_constexpr(2):
+                    t = nb * 8 + 2 * c + tt
+                    if t < cnt:
+                        lo = acc[mt, nb, tt] * unscale
+                        hi = acc[mt, nb, 2 + tt] * unscale
+                        at = Int64(begin + t) * row_elems + Int64(r0)
+                        if const_expr(self.out_bf16):
+                            ptx.st_global_b16(out_base + at * 2, ptx.f32x2_to_bf16x2(lo, lo))
+                            ptx.st_global_b16(out_base + at * 2 + 16, ptx.f32x2_to_bf16x2(hi, hi))
+                        elif const_expr(self.k_splits > 1):     # a share of K: summed with the others'
+                            ptx.red_add_f32(out_base + at * 4, lo)
+                            ptx.red_add_f32(out_base + at * 4 + 32, hi)
+                        else:
+                            ptx.st_global_f32(out_base + at * 4, lo)
+                            ptx.st_global_f32(out_base + at * 4 + 32, hi)
+
+
+class Sm90Fp8Linear(Fp8LinearParts):
     """One compiled configuration of the FP8 linear (module docstring).
 
     Launched as ``fn(w, scale, x, out, stream)``: ``w`` uint8 [G * N, K], ``scale`` uint8 (E8M0) or float32
@@ -98,6 +142,7 @@ class Sm90Fp8Linear:
         self.config = config
         self.n, self.k, self.groups = config.n, config.k, config.groups
         self.row_tiles, self.depth, self.k_splits = config.row_tiles, config.depth, config.k_splits
+        self.out_bf16, self.scale_f32 = config.out_bf16, config.scale_f32
         self.bm = WARPS * 16 * config.row_tiles
         self.bn = config.tile_tokens
         self.nb = config.tile_tokens // 8
@@ -228,15 +273,6 @@ class Sm90Fp8Linear:
                 else:
                     xw[nb, i] = raw[nb, i]
 
-    def x_multiplier(self, s) -> Int32:
-        """``2**X_LOG2 * scale`` as a BF16 pair: an E8M0 byte e is ``2**(e - 127)``, so its BF16 exponent field is
-        ``e - 127 + X_LOG2 + 127``; a float32 scale is rounded."""
-        if const_expr(self.config.scale_f32):
-            m = Float32(s) * Float32(2.0 ** X_LOG2)
-            return ptx.f32x2_to_bf16x2(m, m)
-        bits = (Int32(s) + X_LOG2) << 7
-        return bits | (bits << 16)
-
     @cute.jit
     def mma_ktile(self, cw: cute.Tensor, xw: cute.Tensor, mult: Int32, acc: cute.Tensor):
         # the k-tile's A fragments first (row g's and g + 8's k (4s, 4s + 1) and (4s + 2, 4s + 3) of the lane's 32 at
@@ -256,34 +292,6 @@ class Sm90Fp8Linear:
                                            acc[mt, nb, 3])
                     for i in cutlass.range_constexpr(4):
                         acc[mt, nb, i] = d[i]
-
-    @cute.jit
-    def epilogue(self, acc: cute.Tensor, mOut: cute.Tensor, row_base: Int32, begin: Int32, cnt: Int32, g: Int32,
-                 c: Int32):
-        """Accumulator (mt, nb, tt) is row ``row_base + 16 mt + g`` of token ``nb * 8 + 2c + tt``, (mt, nb, 2 + tt)
-        row + 8 of the same token (the MMA's D fragment)."""
-        out_base = mOut.iterator.toint()
-        row_elems = self.n * self.groups
-        unscale = Float32(2.0 ** (DECODE_LOG2 - X_LOG2))
-        for mt in cutlass.range_constexpr(self.row_tiles):
-            r0 = row_base + mt * 16 + g
-            for nb in cutlass.range_constexpr(self.nb):
-                for tt in cutlass.range_constexpr(2):
-                    t = nb * 8 + 2 * c + tt
-                    if t < cnt:
-                        lo = acc[mt, nb, tt] * unscale
-                        hi = acc[mt, nb, 2 + tt] * unscale
-                        at = Int64(begin + t) * row_elems + Int64(r0)
-                        if const_expr(self.config.out_bf16):
-                            ptx.st_global_b16(out_base + at * 2, ptx.f32x2_to_bf16x2(lo, lo))
-                            ptx.st_global_b16(out_base + at * 2 + 16, ptx.f32x2_to_bf16x2(hi, hi))
-                        elif const_expr(self.k_splits > 1):     # a share of K: summed with the others'
-                            ptx.red_add_f32(out_base + at * 4, lo)
-                            ptx.red_add_f32(out_base + at * 4 + 32, hi)
-                        else:
-                            ptx.st_global_f32(out_base + at * 4, lo)
-                            ptx.st_global_f32(out_base + at * 4 + 32, hi)
-
 
 class Sm90Fp8Dequant:
     """An FP8 weight dequantised to BF16 (``fp8 * scale``, exact with E8M0 scales; float32 scales: the float32
@@ -384,7 +392,12 @@ def warmup(n: int, k: int, device: torch.device | str, scale_dtype: torch.dtype 
     for config in configs:
         _compile(linear_op(config), [w, s, x if config.x_f32 else x.to(torch.bfloat16), out])
     _compile(Sm90Fp8Dequant(scale_f32=scale_f32), [w, s, torch.empty(w.shape, dtype=torch.bfloat16, device=dev)])
-    return len(configs) + 1
+    wgmma = 0
+    if out_dtype == torch.float32:
+        from . import sm90_fp8_wgmma
+
+        wgmma = sm90_fp8_wgmma.warmup(n, k, dev, scale_dtype, groups)
+    return len(configs) + 1 + wgmma
 
 
 def _dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
@@ -411,8 +424,9 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     ``sm90_heuristics.fp8_reads_f32_x`` says no); ``weight``
     float8_e4m3fn or its uint8 bytes [G * N, K] (group g: rows g N .. (g + 1) N); ``scale`` [ceil(G * N / 128),
     K / 128], E8M0 (float8_e8m0fnu or uint8 bytes) or float32. Returns ``out_dtype`` (float32 or BF16) [T, G * N].
-    Calls of more tokens than the kernel pays for (``sm90_heuristics.fp8_kernel_pays``) dequantise W to BF16 and run
-    cuBLAS."""
+    Calls of the token counts ``sm90_heuristics.fp8_wgmma_pays`` names run the WGMMA kernel (``sm90_fp8_wgmma``,
+    float32 out, where it tiles W); calls of more tokens than the mma.sync kernel pays for
+    (``sm90_heuristics.fp8_kernel_pays``) dequantise W to BF16 and run cuBLAS."""
     _expect(groups >= 1 and weight.dim() == 2 and weight.shape[0] % groups == 0,
             f"weight rows {tuple(weight.shape)} must split into {groups} groups")
     n, k = weight.shape[0] // groups, weight.shape[1]
@@ -430,6 +444,11 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     _expect(tuple(out.shape) == (x.shape[0], groups * n) and out.dtype in (torch.bfloat16, torch.float32)
             and out.is_contiguous(), f"out must be contiguous bf16/f32 [T, G*N={groups * n}], got {out.dtype} "
                                      f"{tuple(out.shape)}")
+    if fp8_wgmma_pays(x.shape[0]) and out.dtype == torch.float32:
+        from . import sm90_fp8_wgmma   # it builds on this module's parts
+
+        if sm90_fp8_wgmma.can_implement(n, k, x.shape[0], groups):
+            return sm90_fp8_wgmma.sm90_fp8_linear_wgmma(x, weight, scale, out, groups)
     if not fp8_kernel_pays(x.shape[0]):
         return _dequantized_linear(x, weight, scale, out, groups)
     if x.dtype == torch.float32 and not fp8_reads_f32_x(x.shape[0]):

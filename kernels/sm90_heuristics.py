@@ -11,7 +11,8 @@ import functools
 from dataclasses import replace
 
 from .sm90_config import (ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, CompressStepConfig, Fp8LinearConfig,
-                          GemmConfig, GemmProblem, MmaTiling, MoePlan, MoeShape, WgmmaTiling)
+                          Fp8WgmmaConfig, GemmConfig, GemmProblem, HcPreFusedConfig, MmaTiling, MoePlan, MoeShape,
+                          WgmmaTiling)
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)      # mma.sync token tiles
 WGMMA_TILE_TOKENS = (32, 48, 64, 80, 96, 112, 128)
@@ -201,6 +202,18 @@ def fp8_kernel_pays(tokens: int) -> bool:
     return tokens <= FP8_KERNEL_MAX_TOKENS
 
 
+FP8_WGMMA_TOKENS = (33, 128)   # calls of these many tokens (inclusive) run the FP8 WGMMA linear where it tiles W
+
+
+def fp8_wgmma_pays(tokens: int) -> bool:
+    """Whether a call of ``tokens`` rows runs the FP8 WGMMA linear (``sm90_fp8_wgmma``) instead of the mma.sync
+    kernel or the dequantised weight on cuBLAS. A V4-Flash layer's FP8 linears on an H200
+    (``bench/fp8_linear_bench.py``): at 32 tokens 116.7 us against the mma.sync kernel's 114.6, at 64 144.8 against
+    178.6, at 128 181.6 against the dequantised path's 246.9, at 2,048 1,945 against 1,003 (its BF16 MMAs and the
+    weights decoded once per token tile bound it there)."""
+    return FP8_WGMMA_TOKENS[0] <= tokens <= FP8_WGMMA_TOKENS[1]
+
+
 def fp8_reads_f32_x(tokens: int) -> bool:
     """Whether the FP8 linear kernel reads float32 activations itself (rounding them to BF16 as it loads them) for a
     call of ``tokens`` rows, saving the cast's launch (a kernel of its own in the step's graph, nine calls a layer;
@@ -253,6 +266,33 @@ def wgmma_tiling(tile_tokens: int, min_tokens: int, hidden: int, k: int, sms: in
         shape = dict(l2_ahead=WGMMA_L2_AHEAD, prefetch_next=sms)
     depth = fit_depth(k // K_TILE, shape.pop("depth", 4))
     return WgmmaTiling(tile_tokens=tile_tokens, min_tokens=min_tokens, depth=depth, **shape)
+
+
+def fp8_wgmma_config(n: int, k: int, tokens: int, groups: int = 1, scale_f32: bool = False
+                     ) -> Fp8WgmmaConfig | None:
+    """The FP8 WGMMA linear (``sm90_fp8_wgmma``) for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K], or
+    None where it does not tile W. ``sm90_fp8_linear`` runs it for the calls :func:`fp8_wgmma_pays` gives it. The grid is the NVFP4 WGMMA linear's
+    (:func:`linear_wgmma_tiling`: token tile, warpgroups, K split, all measured for that kernel); the register
+    pipeline holds 4 k-tiles at token tiles up to 64 and 2 at 128 (an FP8 k-tile is 32 bytes a row and thread, twice
+    NVFP4's, beside 64 accumulators), 128-token tiles run two warpgroups, and ptxas is not capped (the registers
+    say how many CTAs share an SM). None where W has no whole CTA of rows."""
+    tiling = linear_wgmma_tiling(n, k, tokens, groups)
+    if tiling is not None and tiling.tile_tokens > 64 and tiling.warpgroups == 1:
+        # one warpgroup staging a 128-token tile holds 64 words of x a thread beside 64 accumulators: ptxas spilled
+        # 48 bytes; two share the staging (and the grid's K split is counted for their 128-row CTAs)
+        tiling = linear_wgmma_tiling(n, k, tokens, groups, warpgroups=2)
+    if tiling is None:
+        return None
+    shares = k // K_TILE // tiling.k_splits
+    return Fp8WgmmaConfig(n=n, k=k, groups=groups, tile_tokens=tiling.tile_tokens, warpgroups=tiling.warpgroups,
+                          depth=fit_depth(shares, 4 if tiling.tile_tokens <= 64 else 2), k_splits=tiling.k_splits,
+                          scale_f32=scale_f32)
+
+
+def fp8_wgmma_token_counts() -> tuple[int, ...]:
+    """Token counts that between them reach every configuration :func:`fp8_wgmma_config` picks for a weight: each
+    token tile as one call fills it, and a call of two 128-token tiles (every longer call runs the same)."""
+    return tuple(sorted(set(LINEAR_WGMMA_TILES) | {2 * LINEAR_WGMMA_TILES[-1]}))
 
 
 # -- the MoE layer ---------------------------------------------------------------------------------------------------
@@ -371,3 +411,45 @@ def compress_step_config(ratio: int, dim: int, overlap: bool, rope_dim: int, eps
                  default=1)
     return CompressStepConfig(ratio=ratio, dim=dim, overlap=overlap, rope_dim=rope_dim, eps=float(eps),
                               cluster=cluster, groups=groups)
+
+
+# -- mHC hc_pre with its product by fn --------------------------------------------------------------------------------
+HC_PRE_CLUSTERS = (16, 8, 4, 2, 1)   # CTAs of a token, largest first; 16 is Hopper's largest (non-portable) cluster
+HC_PRE_PORTABLE_CLUSTER = 8          # the largest cluster any GPC of the H200 places
+HC_PRE_MAX_THREADS = 1024            # a CTA's threads: one 16-byte piece of the token's streams each
+
+
+HC_PRE_FUSED_MAX_TOKENS = 16
+
+
+def hc_pre_fused_pays(tokens: int) -> bool:
+    """Whether ``Sm90HcPreFused`` (the product by ``fn`` in the kernel) beats cuBLAS's product then ``Sm90HcPre``
+    for a call of ``tokens`` tokens. Measured on the H200 (``bench/hc_pre_bench.py``, L2 cold, V4-Flash / V4-Pro):
+    1 token 12.2 / 14.2 us against 14.3 / 17.6; 8 tokens 13.0 / 15.9 against 23.2 / 28.9; 32 tokens 22.1 / 36.0
+    against 24.6 / 31.3; 128 tokens 55.0 / 102.2 against 30.0 / 42.0: every CTA of a token's cluster reads its slice
+    of ``fn`` for each token, where cuBLAS reads ``fn`` once for all of them."""
+    return tokens <= HC_PRE_FUSED_MAX_TOKENS
+
+
+def hc_pre_fused_config(hc: int, hidden: int, tokens: int, *, iters: int, hc_eps: float, norm_eps: float,
+                        norm: bool = True, sms: int = 132) -> HcPreFusedConfig:
+    """How ``Sm90HcPreFused`` spreads a token over a cluster of CTAs.
+
+    At a decode step's few tokens the launch is latency: a token reads all of ``fn`` (24 x hc x H floats: 1.5 MB for
+    V4-Flash, 2.75 MB for V4-Pro), which one SM pulls at roughly 100 GB/s, so the reads are split over as many SMs
+    as a cluster holds, each CTA's loads all in flight at once (one 16-byte piece of the streams and the 24 of
+    ``fn`` that multiply it a thread). 16-CTA clusters (non-portable: CuTeDSL opts every kernel in) while the grid
+    stays within one wave of ``sms`` CTAs, else 8, the portable size (a GPC with fewer than 16 SMs free cannot place
+    a 16-CTA cluster, so a grid of them queues); a cluster must cut each stream into whole 16-byte pieces and keep
+    its CTAs within ``HC_PRE_MAX_THREADS`` threads. Measured on the H200 (``bench/hc_pre_bench.py``, L2 cold): at
+    one token 16 CTAs beat 8 (V4-Flash 12.1 against 12.5 us, V4-Pro 14.2 against 14.5), at eight tokens 8 beat 16
+    (12.4 against 12.9, 14.8 against 16.0), so 16 only while the grid fills at most half of the SMs."""
+    config = None
+    for cluster in HC_PRE_CLUSTERS:
+        config = HcPreFusedConfig(hc=hc, hidden=hidden, iters=iters, hc_eps=float(hc_eps), norm_eps=float(norm_eps),
+                                  norm=norm, cluster=cluster)
+        if cluster > HC_PRE_PORTABLE_CLUSTER and tokens * cluster > sms // 2:
+            continue
+        if hidden % (4 * cluster) == 0 and config.threads <= HC_PRE_MAX_THREADS:
+            return config
+    return config

@@ -15,6 +15,9 @@ costs a few shuffles and one division a lane: at V4-Flash's shapes (4 streams of
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -23,11 +26,15 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import sm90_ptx as ptx
 from .sm90_ptx import LOG2E
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
+from .sm90_config import HcPreFusedConfig
+from .sm90_heuristics import HC_PRE_CLUSTERS, HC_PRE_MAX_THREADS, hc_pre_fused_config
 
 HC_SIZES = (1, 2, 4)                   # streams per token: a power of two whose comb fits one warp (V4: 4)
 PRE_THREADS = 1024                     # Sm90HcPre: threads of a token's CTA (V4-Flash: one 16-byte load a stream)
 NORM_CHUNKS = 2                        # Sm90HcPre with the norm: 16-byte pieces of the collapse a thread holds ...
 NORM_MAX_HIDDEN = NORM_CHUNKS * PRE_THREADS * 4   # ... so H up to 8192 (V4-Flash 4096, V4-Pro 7168)
+FUSED_CLUSTERS = HC_PRE_CLUSTERS          # Sm90HcPreFused: CTAs of a token (16: a non-portable cluster)
+FUSED_MAX_THREADS = HC_PRE_MAX_THREADS    # ... and of a CTA, one 16-byte piece of the token's streams each
 
 
 def _exp(x: Float32) -> Float32:
@@ -36,6 +43,35 @@ def _exp(x: Float32) -> Float32:
 
 def _sigmoid(x: Float32) -> Float32:
     return Float32(1.0) / (Float32(1.0) + _exp(-x))
+
+
+def _row_entry(mMM: cute.Tensor, t: Int32, i: int) -> Float32:
+    """Entry ``i`` of row ``t`` of the products ``x @ fn.T`` (``Sm90HcPre``: cuBLAS's, in global memory)."""
+    return mMM[t, i]
+
+
+def _weights(op, mix, mBase: cute.Tensor, mScale: cute.Tensor, lane, r) -> tuple:
+    """One warp: a token's mixes (its raw products ``mix(i)`` times the RMS norm's reciprocal ``r``) and weights:
+    lane ``i * hc + j``'s comb entry (i, j), and lane ``i``'s pre and post (``op``: the kernel, for ``hc``,
+    ``iters`` and ``eps``). A row is ``hc`` neighbouring lanes (shuffles across the low bits), a column every
+    ``hc``-th lane (the next bits); lanes past the comb's ``hc * hc`` entries repeat them among themselves (traced
+    unrolled: plain Python loops). ``mix`` is called in the same places for every kernel, so ``Sm90HcPre`` traces
+    the instructions it did when this was its own method."""
+    hc = op.hc
+    bits = hc.bit_length() - 1
+    eps = Float32(op.eps)
+    e = lane % (hc * hc)
+    logit = mix(2 * hc + e) * r * mScale[2] + mBase[2 * hc + e]
+    ex = _exp(logit - ptx.lane_max(logit, 0, bits))               # softmax of the row, + eps
+    c = ex * (Float32(1.0) / ptx.lane_sum(ex, 0, bits)) + eps
+    c = c * (Float32(1.0) / (ptx.lane_sum(c, bits, bits) + eps))  # the first column normalisation
+    for _ in range(op.iters - 1):
+        c = c * (Float32(1.0) / (ptx.lane_sum(c, 0, bits) + eps))
+        c = c * (Float32(1.0) / (ptx.lane_sum(c, bits, bits) + eps))
+    i = lane % hc
+    pre = _sigmoid(mix(i) * r * mScale[0] + mBase[i]) + eps
+    post = Float32(2.0) * _sigmoid(mix(hc + i) * r * mScale[1] + mBase[hc + i])
+    return c, pre, post
 
 
 class Sm90HcPre:
@@ -101,8 +137,8 @@ class Sm90HcPre:
         # 2. the first warp: the mixes (raw products over the RMS), the weights, pre into shared memory
         if tidx < 32:
             total = ptx.shared_sum_f32(sb, n_warps)
-            c, pre, post = self.token(mMM, mBase, mScale, t, tidx,
-                                      cute.math.rsqrt(total / Float32(width) + Float32(self.norm_eps)))
+            c, pre, post = _weights(self, functools.partial(_row_entry, mMM, t), mBase, mScale, tidx,
+                                    cute.math.rsqrt(total / Float32(width) + Float32(self.norm_eps)))
             if tidx < hc * hc:
                 mComb[t, tidx] = c
             if tidx < hc:
@@ -161,26 +197,210 @@ class Sm90HcPre:
                 acc[e] = acc[e] + pre[i] * v[e]
         return acc
 
-    def token(self, mMM, mBase, mScale, t, lane, r) -> tuple:
-        """The first warp: the token's mixes (its raw products times the RMS norm's reciprocal ``r``) and weights:
-        lane ``i * hc + j``'s comb entry (i, j), and lane ``i``'s pre and post. A row is ``hc`` neighbouring lanes
-        (shuffles across the low bits), a column every ``hc``-th lane (the next bits); lanes past the comb's
-        ``hc * hc`` entries repeat them among themselves (traced unrolled: plain Python loops)."""
-        hc = self.hc
-        bits = hc.bit_length() - 1
-        eps = Float32(self.eps)
-        e = lane % (hc * hc)
-        logit = mMM[t, 2 * hc + e] * r * mScale[2] + mBase[2 * hc + e]
-        ex = _exp(logit - ptx.lane_max(logit, 0, bits))               # softmax of the row, + eps
-        c = ex * (Float32(1.0) / ptx.lane_sum(ex, 0, bits)) + eps
-        c = c * (Float32(1.0) / (ptx.lane_sum(c, bits, bits) + eps))  # the first column normalisation
-        for _ in range(self.iters - 1):
-            c = c * (Float32(1.0) / (ptx.lane_sum(c, 0, bits) + eps))
-            c = c * (Float32(1.0) / (ptx.lane_sum(c, bits, bits) + eps))
-        i = lane % hc
-        pre = _sigmoid(mMM[t, i] * r * mScale[0] + mBase[i]) + eps
-        post = Float32(2.0) * _sigmoid(mMM[t, hc + i] * r * mScale[1] + mBase[hc + i])
-        return c, pre, post
+
+def _shared_entry(s_mix: Int32, i) -> Float32:
+    """Entry ``i`` of a token's products ``x @ fn.T`` (``Sm90HcPreFused``: the cluster's totals, in shared memory)."""
+    return ptx.ld_shared_f32(s_mix + i * 4)
+
+
+def _why_fused(config: HcPreFusedConfig) -> str:
+    return (f"hc_pre with its product {config}: needs hc in {HC_SIZES}, iters >= 1, a cluster of {FUSED_CLUSTERS} "
+            f"CTAs that cuts H into 16-byte pieces, and at most {FUSED_MAX_THREADS} threads a CTA (one piece each)")
+
+
+class Sm90HcPreFused:
+    """The whole ``hc_pre`` of a token, its product by ``fn`` too (:class:`Sm90HcPre` takes that from cuBLAS: two
+    launches and about 4 us at one token on an H200, before its own 7 us), one
+    :class:`~nvfp4_megamoe.kernels.sm90_config.HcPreFusedConfig`.
+
+    A token is a cluster of ``cluster`` CTAs along the grid's x (CTA ``t * cluster + r`` is rank ``r`` of token
+    ``t``). Rank ``r`` owns columns ``[r * S, (r + 1) * S)``, ``S = H / cluster``, of every stream, and its thread
+    ``k = i * S / 4 + j`` the 16-byte piece ``j`` of stream ``i`` of them (one piece a thread, the threads' pieces in
+    the order of the token's flat streams):
+
+    1. each thread loads its piece of x (kept in shared memory for the collapse) and the 24 matching pieces of
+       ``fn``'s rows, all in flight together, and sums its squares and its 24 dot products;
+    2. a butterfly per warp, the warps' sums in warp order: the CTA's 25 partials; each CTA stores its partials into
+       every peer's shared memory (``mapa`` + ``st.shared::cluster``), a cluster barrier, and every CTA adds the
+       ``cluster`` partials in rank order, so that every CTA holds the same 25 floats;
+    3. the first warp of every CTA runs the weights' chain (:func:`_weights`) on them. Every CTA runs it rather than
+       rank 0 broadcasting ``pre``: the chain is on every CTA's path either way, and a broadcast would add a cluster
+       barrier (and its round trip) after it; the same floats in, the same instructions, the same ``pre`` out in
+       every CTA. Rank 0 writes ``pre``, ``post`` and ``comb``;
+    4. thread ``j < S / 4`` collapses piece ``j`` of its columns, ``sum_i pre_i x_i`` in stream order as
+       :meth:`Sm90HcPre.collapse`; with ``norm`` the sum of squares of the sublayer input goes round the cluster as
+       in step 2 (one float a CTA) before the RMSNorm, the input stays in registers meanwhile; each CTA writes its
+       columns.
+
+    Barriers, as ``sm90_compressor``'s: a cluster arrive at the start and a wait before the first remote store (a
+    peer's shared memory exists once the peer has started), then an arrive (release) and a wait (acquire) after each
+    round of remote stores. Each round writes its own buffer, written once, and no remote access follows the last
+    wait, so a CTA may exit while its peers finish. Numerics: the reference's formulas in float32 as
+    :class:`Sm90HcPre`, with the sums of the products and of the squares in another order than cuBLAS's.
+
+    Operands: ``x`` f32 [N, hc*H] (each token's streams, contiguous, 16-byte aligned), ``fn`` f32 [(2+hc)*hc, hc*H]
+    (contiguous, 16-byte aligned), ``base`` f32 [(2+hc)*hc], ``scale`` f32 [3], ``out`` f32 [N, H], ``pre`` f32
+    [N, hc], ``post`` f32 [N, hc], ``comb`` f32 [N, hc*hc], ``weight`` f32 [H] (read only with ``norm``).
+    """
+
+    def __init__(self, config: HcPreFusedConfig):
+        _expect(self.can_implement(config), _why_fused(config))
+        self.config = config
+        self.hc, self.iters, self.eps, self.norm_eps = config.hc, config.iters, config.hc_eps, config.norm_eps
+        self.norm, self.cluster, self.threads = config.norm, config.cluster, config.threads
+
+    @staticmethod
+    def can_implement(config: HcPreFusedConfig) -> bool:
+        """Whether the cluster cuts each stream into whole 16-byte pieces, a CTA's pieces fit one a thread, and the
+        comb fits one warp (``hc`` in ``HC_SIZES``)."""
+        return (config.hc in HC_SIZES and config.iters >= 1 and config.cluster in FUSED_CLUSTERS
+                and config.hidden > 0 and config.hidden % (4 * config.cluster) == 0
+                and config.threads <= FUSED_MAX_THREADS)
+
+    def key(self) -> tuple:
+        return (self.config,)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mFn: cute.Tensor, mBase: cute.Tensor, mScale: cute.Tensor,
+                 mOut: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor, mWeight: cute.Tensor,
+                 stream):
+        grid = [mX.shape[0] * self.cluster, 1, 1]   # x: token t's CTAs are t * cluster .. (one cluster)
+        if const_expr(self.cluster > 1):
+            self.kernel(mX, mFn, mBase, mScale, mOut, mPre, mPost, mComb, mWeight).launch(
+                grid=grid, block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1], stream=stream)
+        else:
+            self.kernel(mX, mFn, mBase, mScale, mOut, mPre, mPost, mComb, mWeight).launch(
+                grid=grid, block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mFn: cute.Tensor, mBase: cute.Tensor, mScale: cute.Tensor,
+               mOut: cute.Tensor, mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor, mWeight: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        n_cta, hc, h = self.cluster, self.hc, self.config.hidden
+        if const_expr(n_cta > 1):
+            cute.arch.cluster_arrive_relaxed()   # started: peers may store into this CTA's shared memory (step 2)
+        rank = bx % n_cta   # a 1-D cluster of consecutive CTAs: the rank in the cluster
+        t = bx // n_cta
+        m = (2 + hc) * hc
+        parts = m + 1                 # the 24 products and the sum of squares (V4)
+        cols = self.config.columns    # S
+        pieces = cols // 4            # 16-byte pieces of one stream's columns
+        chunks = self.config.chunks   # ... of all the streams': one a thread
+        n_warps = self.threads // 32
+        h_warps = -(-pieces // 32)    # the warps that hold a piece of the sublayer input
+        smem = cutlass.memory.SmemAllocator()
+        s_x = smem.allocate_array(Float32, chunks * 4, byte_alignment=16).toint()
+        s_warp = smem.allocate_array(Float32, n_warps * parts, byte_alignment=16).toint()
+        s_part = smem.allocate_array(Float32, n_cta * parts, byte_alignment=16).toint()   # [rank][part]
+        s_mix = smem.allocate_array(Float32, parts, byte_alignment=16).toint()
+        s_pre = smem.allocate_array(Float32, max(HC_SIZES), byte_alignment=16).toint()
+        s_hw = smem.allocate_array(Float32, n_warps, byte_alignment=16).toint()
+        s_hss = smem.allocate_array(Float32, n_cta, byte_alignment=16).toint()
+        lane, warp = tid % 32, tid // 32
+
+        # 1. this thread's piece of x and the 24 pieces of fn that multiply it (all loads before any use)
+        col = (tid // pieces) * h + rank * cols + (tid % pieces) * 4   # its first column in the token's flat row
+        x_row = mX.iterator.toint() + Int64(t) * Int64(hc * h) * 4
+        fn_at = mFn.iterator.toint() + Int64(col) * 4
+        acc = cute.make_rmem_tensor((parts,), Float32)
+        for p in cutlass.range_constexpr(parts):
+            acc[p] = Float32(0.0)
+        if tid < chunks:
+            xv = ptx.ld_global_v4_f32(x_row + Int64(col) * 4)
+            fv = [ptx.ld_global_v4_f32(fn_at + Int64(p * hc * h) * 4) for p in range(m)]
+            ptx.st_shared_v4_f32(s_x + tid * 16, xv[0], xv[1], xv[2], xv[3])
+            for p in cutlass.range_constexpr(m):
+                acc[p] = fv[p][0] * xv[0] + fv[p][1] * xv[1] + fv[p][2] * xv[2] + fv[p][3] * xv[3]
+            acc[m] = xv[0] * xv[0] + xv[1] * xv[1] + xv[2] * xv[2] + xv[3] * xv[3]
+
+        # 2. the CTA's partials (warps in warp order), into every CTA of the cluster, added in rank order
+        for p in cutlass.range_constexpr(parts):
+            acc[p] = ptx.lane_sum(acc[p])
+        if lane == 0:
+            for p in cutlass.range_constexpr(parts):
+                ptx.st_shared_f32(s_warp + (warp * parts + p) * 4, acc[p])
+        cute.arch.sync_threads()
+        part = Float32(0.0)
+        if tid < parts:
+            part = ptx.ld_shared_f32(s_warp + tid * 4)
+            for w in cutlass.range_constexpr(1, n_warps):
+                part = part + ptx.ld_shared_f32(s_warp + (w * parts + tid) * 4)
+        if const_expr(n_cta > 1):
+            cute.arch.cluster_wait()       # every peer has started (its arrive at the top): its shared memory is live
+            if tid < parts:
+                for q in cutlass.range_constexpr(n_cta):
+                    ptx.st_cluster_f32(ptx.mapa(s_part + (rank * parts + tid) * 4, q), part)
+            cute.arch.cluster_arrive()     # release: this CTA's stores into its peers ...
+            cute.arch.cluster_wait()       # ... acquire: every peer's stores into this CTA's s_part
+        else:
+            if tid < parts:
+                ptx.st_shared_f32(s_part + tid * 4, part)
+            cute.arch.sync_threads()
+
+        # 3. the first warp: the totals (rank order), the weights' chain, pre into shared memory; rank 0's outputs
+        if tid < 32:
+            if tid < parts:
+                total = ptx.ld_shared_f32(s_part + tid * 4)
+                for q in cutlass.range_constexpr(1, n_cta):
+                    total = total + ptx.ld_shared_f32(s_part + (q * parts + tid) * 4)
+                ptx.st_shared_f32(s_mix + tid * 4, total)
+            cute.arch.sync_warp()
+            r = cute.math.rsqrt(ptx.ld_shared_f32(s_mix + m * 4) / Float32(hc * h) + Float32(self.norm_eps))
+            c, pre, post = _weights(self, functools.partial(_shared_entry, s_mix), mBase, mScale, tid, r)
+            if tid < hc:
+                ptx.st_shared_f32(s_pre + tid * 4, pre)
+            if rank == 0:
+                if tid < hc * hc:
+                    mComb[t, tid] = c
+                if tid < hc:
+                    mPre[t, tid] = pre
+                    mPost[t, tid] = post
+        cute.arch.sync_threads()
+
+        # 4. the collapse of piece tid of this CTA's columns (stream order, as Sm90HcPre.collapse), then the norm
+        pre_r = cute.make_rmem_tensor((hc,), Float32)
+        for i in cutlass.range_constexpr(hc):
+            pre_r[i] = ptx.ld_shared_f32(s_pre + i * 4)
+        y = cute.make_rmem_tensor((4,), Float32)
+        for e in cutlass.range_constexpr(4):
+            y[e] = Float32(0.0)
+        if tid < pieces:
+            v = ptx.ld_shared_v4_f32(s_x + tid * 16)
+            for e in cutlass.range_constexpr(4):
+                y[e] = pre_r[0] * v[e]
+            for i in cutlass.range_constexpr(1, hc):
+                v = ptx.ld_shared_v4_f32(s_x + (i * pieces + tid) * 16)
+                for e in cutlass.range_constexpr(4):
+                    y[e] = y[e] + pre_r[i] * v[e]
+        out_at = mOut.iterator.toint() + (Int64(t) * Int64(h) + Int64(rank * cols + tid * 4)) * 4
+        if const_expr(not self.norm):
+            if tid < pieces:
+                ptx.st_global_v2_f32(out_at, y[0], y[1])
+                ptx.st_global_v2_f32(out_at + 8, y[2], y[3])
+        else:
+            wv = cute.make_rmem_tensor((4,), Float32)
+            for e in cutlass.range_constexpr(4):
+                wv[e] = Float32(0.0)
+            if tid < pieces:   # the weight's load before the barriers
+                w4 = ptx.ld_global_v4_f32(mWeight.iterator.toint() + Int64(rank * cols + tid * 4) * 4)
+                for e in cutlass.range_constexpr(4):
+                    wv[e] = w4[e]
+            sq = ptx.lane_sum(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3])
+            if lane == 0:
+                ptx.st_shared_f32(s_hw + warp * 4, sq)
+            cute.arch.sync_threads()
+            total = ptx.shared_sum_f32(s_hw, h_warps)
+            if const_expr(n_cta > 1):
+                if tid < n_cta:
+                    ptx.st_cluster_f32(ptx.mapa(s_hss + rank * 4, tid), total)
+                cute.arch.cluster_arrive()   # release, then acquire: every CTA's sum of squares in every s_hss
+                cute.arch.cluster_wait()
+                total = ptx.shared_sum_f32(s_hss, n_cta)
+            rs = cute.math.rsqrt(total / Float32(h) + Float32(self.norm_eps))
+            if tid < pieces:
+                ptx.st_global_v2_f32(out_at, y[0] * rs * wv[0], y[1] * rs * wv[1])
+                ptx.st_global_v2_f32(out_at + 8, y[2] * rs * wv[2], y[3] * rs * wv[3])
 
 
 class Sm90HcPost:
@@ -295,6 +515,64 @@ def warmup(hc: int, iters: int, hc_eps: float, norm_eps: float, device) -> int:
                                      torch.empty(1, hc, **f32), torch.empty(1, hc * hc, **f32),
                                      torch.empty(1, hc * 16, **f32)])
     return 4
+
+
+def sm90_hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
+                      hc_eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None,
+                      cluster: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sm90_hc_pre` in one launch, the product by ``fn`` too (:class:`Sm90HcPreFused`): the same operands and
+    outputs. ``cluster`` fixes the CTAs of a token (the benchmark's sweep); by default
+    ``sm90_heuristics.hc_pre_fused_config`` picks them from the token count."""
+    *lead, hc, h = x.shape
+    m = (2 + hc) * hc
+    _expect(x.is_cuda and tuple(fn.shape) == (m, hc * h), f"x must be CUDA [..., hc, H] and fn [(2+hc)*hc = {m}, "
+            f"hc*H], got x {tuple(x.shape)}, fn {tuple(fn.shape)}")
+    norm = norm_weight is not None
+    if norm:
+        _expect(tuple(norm_weight.shape) == (h,), f"norm_weight must be [{h}], got {tuple(norm_weight.shape)}")
+    flat = x.float().reshape(-1, hc * h).contiguous()   # a copy only of the embedding's broadcast streams
+    if flat.data_ptr() % 16:                             # a view at an odd offset: the kernel loads 16 bytes
+        flat = flat.clone()
+    n = flat.shape[0]
+    config = hc_pre_fused_config(hc, h, n, iters=max(iters, 1), hc_eps=hc_eps, norm_eps=norm_eps, norm=norm)
+    if cluster is not None:
+        config = replace(config, cluster=cluster)
+    _expect(Sm90HcPreFused.can_implement(config), _why_fused(config))
+    fn32 = fn.float().contiguous()
+    if fn32.data_ptr() % 16:
+        fn32 = fn32.clone()
+    out = torch.empty(n, h, dtype=torch.float32, device=x.device)
+    pre = torch.empty(n, hc, dtype=torch.float32, device=x.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(n, hc * hc, dtype=torch.float32, device=x.device)
+    if n:
+        scale32 = scale.float().contiguous()
+        weight = norm_weight.float().contiguous() if norm else scale32   # not read without the norm
+        _launch(Sm90HcPreFused(config), [flat, fn32, base.float().contiguous(), scale32, out, pre, post, comb, weight])
+    return out.view(*lead, h), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+def fused_operands(config: HcPreFusedConfig, device) -> list[torch.Tensor]:
+    """Operands of one token of this configuration as :func:`sm90_hc_pre_fused` passes them (dtypes, ranks, 16-byte
+    aligned): what a compile is specialised on."""
+    hc, h = config.hc, config.hidden
+    m = (2 + hc) * hc
+    f32 = dict(dtype=torch.float32, device=device)
+    return [torch.empty(1, hc * h, **f32), torch.empty(m, hc * h, **f32), torch.empty(m, **f32),
+            torch.empty(3, **f32), torch.empty(1, h, **f32), torch.empty(1, hc, **f32), torch.empty(1, hc, **f32),
+            torch.empty(1, hc * hc, **f32), torch.empty(h, **f32)]
+
+
+def warmup_fused(hc: int, hidden: int, iters: int, hc_eps: float, norm_eps: float, device,
+                 token_counts: tuple[int, ...] = (1, 1 << 16)) -> int:
+    """Compile the kernels :func:`sm90_hc_pre_fused` launches for these settings (with and without the sublayer's
+    norm) at each of ``token_counts`` (by default one token and many: the clusters its heuristic picks for a
+    decode step and for a long call); returns their count."""
+    configs = dict.fromkeys(hc_pre_fused_config(hc, hidden, n, iters=max(iters, 1), hc_eps=hc_eps, norm_eps=norm_eps,
+                                                norm=norm) for n in token_counts for norm in (False, True))
+    for config in configs:
+        _compile(Sm90HcPreFused(config), fused_operands(config, device))
+    return len(configs)
 
 
 def sm90_hc_post(out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

@@ -326,15 +326,23 @@ class HopperBackend(ReferenceBackend):
     def hc_pre(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
                iters: int, hc_eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPre, sm90_hc_pre
+        from nvfp4_megamoe.kernels.sm90_heuristics import hc_pre_fused_config, hc_pre_fused_pays
+        from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPre, Sm90HcPreFused, sm90_hc_pre, sm90_hc_pre_fused
 
         norm = norm_weight is not None
-        if not (x.is_cuda and Sm90HcPre.can_implement(x.shape[-2], x.shape[-1], norm)):
+        hc, h = x.shape[-2], x.shape[-1]
+        if not (x.is_cuda and Sm90HcPre.can_implement(hc, h, norm)):
             return super().hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
                                   norm_weight=norm_weight)
         self.kernel_calls["hc_pre"] += 1
-        return sm90_hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
-                           norm_weight=self._f32(norm_weight) if norm else None)
+        weight = self._f32(norm_weight) if norm else None
+        tokens = x.numel() // (hc * h)
+        if hc_pre_fused_pays(tokens) and Sm90HcPreFused.can_implement(
+                hc_pre_fused_config(hc, h, tokens, iters=max(iters, 1), hc_eps=hc_eps, norm_eps=norm_eps, norm=norm)):
+            # a decode step's few tokens: the product by fn in the same launch (one launch, fn read by many SMs)
+            return sm90_hc_pre_fused(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                                     norm_weight=weight)
+        return sm90_hc_pre(x, fn, base, scale, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps, norm_weight=weight)
 
     def hc_post(self, out: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, sm90_hc_post
@@ -523,7 +531,7 @@ class HopperBackend(ReferenceBackend):
     def _warm_shapes(self, cfg, weights, dev: torch.device) -> None:
         """Ask every kernel family for what these weights need (inside ``cute_host.collecting``: nothing compiles)."""
         from nvfp4_megamoe.kernels import sm90_compressor, sm90_decode_attention, sm90_indexer, sm90_mhc, sm90_router
-        from nvfp4_megamoe.kernels import sm90_qkv_step
+        from nvfp4_megamoe.kernels import sm90_heuristics, sm90_qkv_step
 
         layers = weights.layers.values()
         # the router: one kernel per layer kind (top-k with or without a bias; hash, per tid2eid dtype)
@@ -551,6 +559,9 @@ class HopperBackend(ReferenceBackend):
                     self._linear_ready(w.weight.shape[0] // groups, 2 * w.weight.shape[1], dev, groups)
         if sm90_mhc.Sm90HcPre.can_implement(cfg.hc_mult, cfg.hidden_size):
             sm90_mhc.warmup(cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, dev)
+            # the fused form's clusters at one token and at the most tokens the runtime gives it
+            sm90_mhc.warmup_fused(cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps,
+                                  dev, token_counts=(1, sm90_heuristics.HC_PRE_FUSED_MAX_TOKENS))
         ratios = {lw.attn.compress_ratio for lw in layers}
         if sm90_decode_attention.Sm90DecodeAttention.can_implement(cfg.num_heads, cfg.head_dim):
             # CSA and HCA both pass -1-padded indices (HCA: every valid row of its fixed-size store)

@@ -1,8 +1,8 @@
 """Compile, for sm_90a (no GPU), the kernel configurations the runtime can launch for V4-Flash and V4-Pro: the MoE
 plans a layer can pick (weights row-major and in row tiles), decode attention in its three modes with the clusters
 ``pick_cluster`` chooses and the combine kernel, and its prefill form, the indexer's score (decode and shared-keys)
-and sort kernels, the mHC weights, the compressor step, the step's query and key and the router; print, as JSON, each
-kernel's registers per thread and stack frame bytes (spills) read from its cubin.
+and sort kernels, the mHC weights (also with the product by ``fn``), the compressor step, the step's query and key and
+the router; print, as JSON, each kernel's registers per thread and stack frame bytes (spills) read from its cubin.
 
 ``--all`` compiles every configuration; without it, one GEMM (and one routing kernel) per configuration that differs
 only in its token tile (the widest tile, whose accumulators take the most registers) and every other kernel. ``--jobs N`` compiles in N
@@ -89,13 +89,15 @@ def jobs(every: bool) -> list[tuple]:
     from nvfp4_megamoe.kernels.sm90_config import MoeShape
     from nvfp4_megamoe.kernels.sm90_decode_attention import (CLUSTERS, Sm90DecodeAttention,
                                                              Sm90DecodeAttentionCombine, Sm90PrefillAttention)
-    from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre
+    from nvfp4_megamoe.kernels.sm90_mhc import Sm90HcPost, Sm90HcPre, Sm90HcPreFused, fused_operands
     from nvfp4_megamoe.kernels.sm90_compressor import Sm90CompressStep, stand_in_operands as compressor_operands
     from nvfp4_megamoe.kernels.sm90_qkv_step import QkvStepConfig, Sm90QkvStep, stand_in_operands as qkv_operands
     from nvfp4_megamoe.kernels.sm90_router import RouterConfig
     from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Dequant, Sm90Fp8Linear
+    from nvfp4_megamoe.kernels.sm90_fp8_wgmma import Sm90Fp8WgmmaLinear
     from nvfp4_megamoe.kernels.sm90_heuristics import (compress_step_config, fp8_linear_config, fp8_linear_token_counts,
-                                                       fp8_reads_f32_x)
+                                                       fp8_reads_f32_x, fp8_wgmma_config, fp8_wgmma_token_counts,
+                                                       hc_pre_fused_config)
     from sm90_stand_ins import (FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args,
                                 prefill_attention_args)
 
@@ -125,6 +127,10 @@ def jobs(every: bool) -> list[tuple]:
     for norm in (False, True):
         record(Sm90HcPre(hc=4, iters=20, hc_eps=1e-6, norm_eps=1e-6, norm=norm), hc_pre_args(4))
     record(Sm90HcPost(hc=4), hc_post_args(4))
+    # hc_pre with its product by fn: V4-Flash's and V4-Pro's widths, the clusters of a decode step and of a long call
+    for (h, _, _), tokens, norm in ((m, t, nm) for m in MODELS for t in (1, 64) for nm in (False, True)):
+        fused = hc_pre_fused_config(4, h, tokens, iters=20, hc_eps=1e-6, norm_eps=1e-6, norm=norm)
+        record(Sm90HcPreFused(fused), fused_operands(fused, "cpu"))
     # the decode step's compressor update: V4's CSA compressor, its indexer's, and HCA's
     for ratio, dim, overlap in ((4, 512, True), (4, 128, True), (128, 512, False)):
         config = compress_step_config(ratio, dim, overlap, 64, 1e-6)   # the cluster and groups the runtime picks
@@ -154,6 +160,18 @@ def jobs(every: bool) -> list[tuple]:
     record(Sm90Fp8Linear(decode), fp8_linear_args())
     record(Sm90Fp8Linear(replace(decode, scale_f32=True)), fp8_linear_args(scale_f32=True))
     record(Sm90Fp8Linear(fp8_linear_config(1024, 4096, 1, out_bf16=True)), fp8_linear_args(out_bf16=True))
+    # the FP8 WGMMA linear (not launched by the runtime yet; the benchmark's ``fp8_wgmma``): one configuration per
+    # register shape (token tile, warpgroups, depth) V4's weights pick, and the float32-scale form of the widest
+    wgmma_shapes: dict[tuple, object] = {}
+    for n, k, groups in FP8_LINEAR_SHAPES:
+        for tokens in fp8_wgmma_token_counts():
+            config = fp8_wgmma_config(n, k, tokens, groups)
+            if config is not None:
+                wgmma_shapes.setdefault((config.tile_tokens, config.warpgroups, config.depth), config)
+    for config in wgmma_shapes.values():
+        record(Sm90Fp8WgmmaLinear(config), fp8_linear_args())
+    widest = max(wgmma_shapes.values(), key=lambda config: (config.tile_tokens, config.warpgroups, config.depth))
+    record(Sm90Fp8WgmmaLinear(replace(widest, scale_f32=True)), fp8_linear_args(scale_f32=True))
     for scale_f32 in (False, True):
         w, scale, x, _ = fp8_linear_args(scale_f32=scale_f32)
         record(Sm90Fp8Dequant(scale_f32=scale_f32), [w, scale, x.new_zeros(w.shape)])

@@ -53,7 +53,8 @@ def test_no_kernel_the_runtime_launches_spills(resources):
     assert len(kernels) >= 60 and {k["kernel"] for k in kernels} >= {
         "Sm90Nvfp4MmaGemm", "Sm90Nvfp4WgmmaGemm", "Sm90MoeRouting", "Sm90StagedOrder", "Sm90DecodeAttention",
         "Sm90PrefillAttention", "Sm90DecodeAttentionCombine", "Sm90IndexerScores", "Sm90SortTopk", "Sm90HcPre",
-        "Sm90HcPost", "Sm90Fp8Linear", "Sm90Fp8Dequant", "Sm90CompressStep", "Sm90RouterTopk", "Sm90RouterHash",
+        "Sm90HcPreFused", "Sm90HcPost", "Sm90Fp8Linear", "Sm90Fp8WgmmaLinear", "Sm90Fp8Dequant", "Sm90CompressStep",
+        "Sm90RouterTopk", "Sm90RouterHash",
         "Sm90QkvStep"}
     assert len({(k["kernel"], k["key"]) for k in kernels}) == len(kernels)  # the workers split one list
     spilled = [f'{k["kernel"]} {k["key"]}: {k["frame_bytes"]} bytes' for k in kernels if k["frame_bytes"]]
