@@ -31,7 +31,10 @@ def fp8_act_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``scale = amax / 448`` and values ``x / scale`` (a zero block: scale 0, values 0), in float32."""
     t, c = x.shape
     blocks = x.float().view(t, c // ACT_BLOCK, ACT_BLOCK)
-    scale = blocks.abs().amax(-1) / E4M3_MAX
+    amax = blocks.abs().amax(-1)
+    # divided by a tensor: torch takes a division by a scalar as a product with its reciprocal (448 = 7 * 64 has no
+    # exact one), the kernel divides
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     div = torch.where(scale == 0, torch.ones_like(scale), scale)
     return (blocks / div[..., None]).to(torch.float8_e4m3fn).view(t, c), scale
 

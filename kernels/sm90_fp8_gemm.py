@@ -229,7 +229,7 @@ class Sm90Fp8Gemm:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
 
-        smem = utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.storage)
         tx_bytes = (self.bm + self.bn) * K_TILE
         # full: the producer's one arrive plus the TMA's bytes; empty: one arrive per consumer warp
@@ -248,7 +248,7 @@ class Sm90Fp8Gemm:
                                            cute.group_modes(gB, 0, 2))
 
         if wg == 0:
-            cute.arch.warpgroup_reg_dealloc(PRODUCER_REGISTERS)
+            cute.arch.setmaxregister_decrease(PRODUCER_REGISTERS)
             if warp == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 tAgA_tile = tAgA[(None, bx, None, bz)]
@@ -262,7 +262,7 @@ class Sm90Fp8Gemm:
                     state.advance()
                 pipe.producer_tail(state)
         else:
-            cute.arch.warpgroup_reg_alloc(CONSUMER_REGISTERS)
+            cute.arch.setmaxregister_increase(CONSUMER_REGISTERS)
             self.consume(pipe, sA, sB, mSx, mSw, mOut, tiled_mma, tidx - 128, bx, by, bz)
 
     @cute.jit
