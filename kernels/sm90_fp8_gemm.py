@@ -422,8 +422,9 @@ def sm90_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     _expect(groups >= 1 and weight.dim() == 2 and weight.shape[0] % groups == 0,
             f"weight rows {tuple(weight.shape)} must split into {groups} groups")
     n, k = weight.shape[0] // groups, weight.shape[1]
-    _expect(weight.dtype in (torch.float8_e4m3fn, torch.uint8) and weight.is_contiguous(),
-            f"weight must be contiguous float8_e4m3fn or uint8, got {weight.dtype}")
+    _expect(weight.dtype in (torch.float8_e4m3fn, torch.uint8) and weight.is_contiguous()
+            and weight.data_ptr() % 16 == 0, f"weight must be contiguous 16-byte aligned (the TMA's) float8_e4m3fn "
+                                             f"or uint8, got {weight.dtype}")
     _expect(can_implement(n, k, groups), f"the FP8 GEMM does not tile W [N={n}, K={k}] (multiples of 128)")
     _expect(x.dtype in (torch.bfloat16, torch.float32) and x.dim() == 2 and x.shape[1] == groups * k
             and x.shape[0] >= 1 and x.is_contiguous(), f"x must be contiguous bf16 or f32 [T >= 1, G*K={groups * k}], "

@@ -62,6 +62,20 @@ def test_configurations_the_kernel_does_not_take_are_refused(config, match):
         w8a8.Sm90Fp8Gemm(config)
 
 
+def test_calls_the_kernel_does_not_take_are_refused_before_any_launch():
+    """W not tiled (N = 96), x of the wrong width, scales of the wrong shape, a weight off the TMA's alignment."""
+    w, s = torch.zeros(256, 512, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8)
+    assert not w8a8.can_implement(96, 512) and w8a8.can_implement(256, 512)
+    with pytest.raises(ValueError, match="does not tile"):
+        w8a8.sm90_fp8_gemm(torch.zeros(2, 512), w[:96], s[:1])
+    with pytest.raises(ValueError, match="x must be"):
+        w8a8.sm90_fp8_gemm(torch.zeros(2, 256), w, s)
+    with pytest.raises(ValueError, match="scale must be"):
+        w8a8.sm90_fp8_gemm(torch.zeros(2, 512), w, s[:, :2])
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        w8a8.sm90_fp8_gemm(torch.zeros(2, 512), torch.zeros(256 * 512 + 1, dtype=torch.uint8)[1:].view(256, 512), s)
+
+
 def test_the_reference_sums_each_block_times_both_scales():
     """``fp8_w8a8_linear`` against the formula spelt out block by block (two groups, E8M0 weight scales), and the
     quantiser's blocks: scale amax / 448, a zero block scale 0 and values 0, values within one E4M3 rounding."""
