@@ -49,11 +49,11 @@ import functools
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
@@ -199,8 +199,8 @@ class Sm90Fp8Gemm:
         tiled_mma = sm90_utils.make_trivial_tiled_mma(f8, f8, k_major, k_major, Float32, (self.consumers, 1, 1),
                                                       tiler_mn=(64, self.bn))
         tile = (self.bm, self.bn, K_TILE)
-        a_smem = sm90_utils.make_smem_layout_a(utils.LayoutEnum.ROW_MAJOR, tile, f8, self.stages)
-        b_smem = sm90_utils.make_smem_layout_b(utils.LayoutEnum.ROW_MAJOR, tile, f8, self.stages)
+        a_smem = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tile, f8, self.stages)
+        b_smem = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tile, f8, self.stages)
         tma_a, gA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), a,
                                                 cute.slice_(a_smem, (None, None, 0)), (self.bm, K_TILE))
         tma_b, gB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), b,
