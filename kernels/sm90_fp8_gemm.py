@@ -25,8 +25,9 @@ block's four k32 steps accumulate into a temporary accumulator (the first step o
 multiplied by ``sx[token, kb] * sw[n // 128, kb]`` and added into the main float32 accumulator, so every block's
 partial dot product carries its own scales exactly as the formula above. The promotion of block kb waits for its
 MMAs (``wait_group 0``), then the MMAs of block kb + 1 are issued and block kb's ring slot is released; while one
-warpgroup promotes, the other's MMAs keep the tensor cores busy. The scales of block kb + 1 are loaded (from global
-memory: a few bytes a thread, L2-resident) while block kb's MMAs run.
+warpgroup promotes, the other's MMAs keep the tensor cores busy. Block kb + 1's scales are loaded (from global
+memory: a few bytes a thread, L2-resident) just before its MMAs are issued, so their latency hides behind them. The
+float32 results are stored straight from the registers (8 bytes a store; rows past T are not stored).
 
 Register budget: consumers raise their registers to ``CONSUMER_REGISTERS`` (``setmaxnreg``), the producer lowers
 its own to ``PRODUCER_REGISTERS``; a consumer thread holds the tile's accumulators twice (``block_n`` / 2 floats
