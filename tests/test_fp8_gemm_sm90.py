@@ -1,7 +1,8 @@
 """The W8A8 FP8 GEMM (``kernels/sm90_fp8_gemm.py``): its picks and references on the CPU, its kernels compiled for
 sm_90a at V4-Flash's and V4-Pro's FP8 linears (CI), and on the H200 (marked ``gpu``) against float32 references:
 tightly against the same quantised operands (only the order of the float32 sums differs), loosely against the
-unquantised product (the activations' FP8 rounding), and the quantiser bit for bit against torch."""
+unquantised product (the activations' FP8 rounding, a few per cent), and the quantiser bit for bit against
+torch."""
 
 from __future__ import annotations
 
@@ -168,15 +169,20 @@ def test_the_quantiser_matches_torch_bit_for_bit(x_dtype):
 def test_fp8_gemm_matches_references(n, k, groups, scale_f32):
     """T = 1, 100, 2048, 3000 (a partial token tile at the edge), E8M0 and float32 weight scales, one group and
     several, the output poisoned first: within 1e-5 (relative, of the output's norm) of the float32 product of the
-    same quantised operands, and within 2e-2 of the unquantised product."""
+    same quantised operands, and within 4e-2 of the unquantised product: E4M3 keeps 3 mantissa bits, so each
+    activation moves by up to 2**-4 of itself (on such operands the float32 reference of the quantised product is
+    2.6 % off, measured on the CPU); the kernel's own distance from the unquantised product must be the reference's."""
     for tokens in (1, 100, 2048, 3000):
         w, scale, x = _operands(n, k, groups, scale_f32, tokens, seed=n + k + groups + tokens)
         out = torch.full((tokens, groups * n), float("nan"), device="cuda")
         got = w8a8.sm90_fp8_gemm(x, w, scale, groups=groups, out=out)
         assert got.data_ptr() == out.data_ptr() and got.isfinite().all()
         xq, sx = fp8_act_quantize(x)
-        assert rel_err(got, fp8_w8a8_linear(xq, sx, w, scale, groups)) < 1e-5, tokens
-        assert rel_err(got, _unquantised(x, w, scale, groups)) < 2e-2, tokens
+        want = fp8_w8a8_linear(xq, sx, w, scale, groups)
+        assert rel_err(got, want) < 1e-5, tokens
+        exact = _unquantised(x, w, scale, groups)
+        assert rel_err(got, exact) < 4e-2, tokens
+        assert abs(rel_err(got, exact) - rel_err(want, exact)) < 1e-4, tokens
 
 
 @pytest.mark.gpu
