@@ -329,11 +329,7 @@ class Sm90Fp8Dequant:
             if const_expr(self.scale_f32):
                 s = Float32(mS[row // SCALE_BLOCK, col // SCALE_BLOCK])
             else:
-                e = Int32(mS[row // SCALE_BLOCK, col // SCALE_BLOCK])
-                bits = e << 23
-                if e == 0:
-                    bits = Int32(1 << 22)   # E8M0 0 is 2**-127, a float32 subnormal
-                s = ptx.f32_of_bits(bits)
+                s = ptx.e8m0_to_f32(Int32(mS[row // SCALE_BLOCK, col // SCALE_BLOCK]))
             v = ptx.ld_global_v4(mW.iterator.toint() + Int64(chunk) * 16)
             words = []
             for i in cutlass.range_constexpr(4):
