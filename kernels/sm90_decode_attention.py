@@ -730,7 +730,7 @@ MAX_REQUESTS = 65535   # the grid's z (CUDA's limit): requests of one call
 
 def sm90_prefill_attention(q, rows, window_start, window_len, kv_compressed, indices, sink, scale: float, *,
                            count=None, max_window: int | None = None, out=None, splits: int | None = None,
-                           cluster: int | None = None):
+                           cluster: int | None = 1):
     """T query tokens of each of S sequences as R = S * T requests of the decode kernel that share their sequence's
     keys (:class:`Sm90PrefillAttention`) on Hopper (sm_90a); returns BF16 ``out`` [R, H, 512].
 
@@ -745,7 +745,10 @@ def sm90_prefill_attention(q, rows, window_start, window_len, kv_compressed, ind
             None with ``kv_compressed`` and no ``indices``: all N entries.
         sink: float32 [H]. scale: the logit scale (512**-0.5).
         max_window: the most entries a window holds (the model's sliding window), for the split choice only (None:
-            L). out, splits, cluster: as :func:`sm90_decode_attention`'s.
+            L). out, splits, cluster: as :func:`sm90_decode_attention`'s, but ``cluster`` is 1 unless given: a
+            prompt's requests fill the SMs from 67 tokens on, where no cluster is picked, and a shorter prompt's
+            partials go through the combine kernel, so the load compiles one prefill kernel a mode, not one a
+            cluster.
 
     R is at most ``MAX_REQUESTS``; S must divide R. No host sync; CUDA-graph capturable after one warm-up call (an
     HCA call without ``count`` allocates its all-N counts at each call). The output is not inverse-RoPE'd.
@@ -809,10 +812,9 @@ def warmup(modes: tuple[str, ...], heads: int, scale: float, device, *, prefill:
                      [q, kv, wlen, *operands[mode], sink, out, o_part, ml])
             count += 1
     for mode in prefill:   # window starts beside the lengths; HCA's counts [R, 1] have the indices' dtype and rank
-        for cluster in CLUSTERS:
-            _compile(Sm90PrefillAttention(mode=mode, scale=scale, cluster=cluster),
-                     [q, kv, wlen, wlen, *operands[mode], sink, out, o_part, ml])
-            count += 1
+        _compile(Sm90PrefillAttention(mode=mode, scale=scale, cluster=1),   # the prefill host's one cluster
+                 [q, kv, wlen, wlen, *operands[mode], sink, out, o_part, ml])
+        count += 1
     for groups in (1, 4):
         _compile(Sm90DecodeAttentionCombine(groups), [o_part, ml, sink, out])
         count += 1
