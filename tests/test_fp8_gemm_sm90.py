@@ -30,6 +30,12 @@ from fp8_linear_bench import fp8_shapes  # noqa: E402
 PRESET_SHAPES = sorted({(n, k, groups) for preset in ("flash-layer", "pro-layer")
                         for _, n, k, groups in fp8_shapes(preset)})
 TOKENS = (1, 64, 65, 100, 2048, 3000, 8192)
+# The tensor cores add an FP8 wgmma's products with fewer mantissa bits than float32 keep (the reason the kernel
+# promotes every 128 K into float32): on the H200 a 128-K block of random E4M3 operands differs from the exact sum by
+# about 1e-3 of its size at most (structured operands, exactly representable sums, come out exact). Against the
+# float32 reference of the same quantised operands the kernel is held to 2e-3 of the output's norm: a wrong tile,
+# row, block or scale moves it by far more.
+ACCUMULATION_TOL = 2e-3
 
 
 @pytest.mark.parametrize("n,k,groups", PRESET_SHAPES)
@@ -168,8 +174,8 @@ def test_the_quantiser_matches_torch_bit_for_bit(x_dtype):
                                                   (1024, 512, 4, True)])
 def test_fp8_gemm_matches_references(n, k, groups, scale_f32):
     """T = 1, 100, 2048, 3000 (a partial token tile at the edge), E8M0 and float32 weight scales, one group and
-    several, the output poisoned first: within 1e-5 (relative, of the output's norm) of the float32 product of the
-    same quantised operands, and within 4e-2 of the unquantised product: E4M3 keeps 3 mantissa bits, so each
+    several, the output poisoned first: within ``ACCUMULATION_TOL`` (relative, of the output's norm) of the float32
+    product of the same quantised operands, and within 4e-2 of the unquantised product: E4M3 keeps 3 mantissa bits, so each
     activation moves by up to 2**-4 of itself (on such operands the float32 reference of the quantised product is
     2.6 % off, measured on the CPU); the kernel's own distance from the unquantised product must be the reference's."""
     for tokens in (1, 100, 2048, 3000):
@@ -179,10 +185,10 @@ def test_fp8_gemm_matches_references(n, k, groups, scale_f32):
         assert got.data_ptr() == out.data_ptr() and got.isfinite().all()
         xq, sx = fp8_act_quantize(x)
         want = fp8_w8a8_linear(xq, sx, w, scale, groups)
-        assert rel_err(got, want) < 1e-5, tokens
+        assert rel_err(got, want) < ACCUMULATION_TOL, tokens
         exact = _unquantised(x, w, scale, groups)
         assert rel_err(got, exact) < 4e-2, tokens
-        assert abs(rel_err(got, exact) - rel_err(want, exact)) < 1e-4, tokens
+        assert abs(rel_err(got, exact) - rel_err(want, exact)) < ACCUMULATION_TOL, tokens
 
 
 @pytest.mark.gpu
@@ -197,7 +203,7 @@ def test_every_tile_shape_matches_the_reference(block_n, warpgroups):
     out = torch.full((tokens, n), float("nan"), device="cuda")
     w8a8._launch(w8a8.gemm_op(config), [xq, sx, w, scale.view(torch.uint8), out])
     want = fp8_w8a8_linear(xq.view(torch.float8_e4m3fn), sx, w, scale)
-    assert rel_err(out, want) < 1e-5
+    assert rel_err(out, want) < ACCUMULATION_TOL
 
 
 @pytest.mark.gpu
@@ -211,4 +217,4 @@ def test_fp8_gemm_is_captured_by_a_cuda_graph():
     x.copy_(_operands(1024, 1024, 1, False, 256, seed=10)[2])
     graph.replay()
     xq, sx = fp8_act_quantize(x)
-    assert rel_err(out, fp8_w8a8_linear(xq, sx, w, scale)) < 1e-5
+    assert rel_err(out, fp8_w8a8_linear(xq, sx, w, scale)) < ACCUMULATION_TOL
