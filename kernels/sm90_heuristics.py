@@ -215,6 +215,16 @@ def fp8_wgmma_pays(tokens: int) -> bool:
     return FP8_WGMMA_TOKENS[0] <= tokens <= FP8_WGMMA_TOKENS[1]
 
 
+FP8_W8A8_MIN_TOKENS = 1024   # calls of this many tokens and more run the W8A8 GEMM where it tiles W
+
+
+def fp8_w8a8_pays(tokens: int) -> bool:
+    """Whether a call of ``tokens`` rows runs the W8A8 GEMM (``sm90_fp8_gemm``: activations quantised per 128 K, as
+    the official inference does, and FP8 tensor cores) instead of the weight dequantised to BF16 on cuBLAS: prefill
+    chunks."""
+    return tokens >= FP8_W8A8_MIN_TOKENS
+
+
 def fp8_reads_f32_x(tokens: int) -> bool:
     """Whether the FP8 linear kernel reads float32 activations itself (rounding them to BF16 as it loads them) for a
     call of ``tokens`` rows, saving the cast's launch (a kernel of its own in the step's graph, nine calls a layer;
