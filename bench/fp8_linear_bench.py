@@ -16,15 +16,18 @@ runtime calls them), at T = 1, 8, 32, 64, 128 tokens (``--prefill``: also 2048):
   every call, a float32 GEMM);
 * ``nvfp4``: the NVFP4 linear of the same shape (``sm90_nvfp4_linear``), the default conversion's dense layers;
 * ``scaled_mm``: ``torch._scaled_mm`` (cuBLAS FP8 tensor cores) with row-wise scales, x quantised to FP8 outside
-  the timing: the FP8 GEMM the hardware offers, an anchor (it reads the same weight bytes, x as FP8).
+  the timing: the FP8 GEMM the hardware offers, an anchor (it reads the same weight bytes, x as FP8);
+* from ``W8A8_MIN_TOKENS`` tokens (``--prefill``): ``w8a8``, the W8A8 block-scaled GEMM as a call runs it
+  (``sm90_fp8_gemm.sm90_fp8_gemm``: x quantised per token and 128 K, then the FP8 x FP8 GEMM), and ``w8a8_gemm``
+  the GEMM alone on x quantised outside the timing; each also as a fraction of the FP8 matmul rate.
 
 Each figure is a CUDA graph of ``--chain`` calls back to back, each on its own copy of the weights, replayed with
 the L2 flushed first (``gpu_timing.ColdTimer``; the median over the calls). Floor: the larger of the FP8 weights,
 block scales, x and out read or written once at the copy bandwidth, and the FLOPs at the BF16 matmul rate (the
 kernel's MMAs are BF16), both measured in the same run; the FP8 matmul rate (``_scaled_mm`` at 8192^3) is measured
 too. Per token count the layer's line sums the path the runtime runs (:func:`runtime_path`) against the floor and
-against the FLOPs at the FP8 rate. Numerics are checked by the GPU tests (``tests/test_fp8_linear_sm90.py``), not
-here.
+against the FLOPs at the FP8 rate, and so does the W8A8 GEMM where it was timed. Numerics are checked by the GPU tests
+(``tests/test_fp8_linear_sm90.py``, ``tests/test_fp8_gemm_sm90.py``), not here.
 
     python bench/fp8_linear_bench.py --preset flash-layer --prefill --json bench/results/fp8_linear_bench.json
 """
@@ -39,6 +42,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+W8A8_MIN_TOKENS = 2048   # the W8A8 GEMM is timed from this many tokens on (the prefill calls it is for)
 
 
 WGMMA_MIN_TOKENS = 32   # calls from this many tokens also time the FP8 WGMMA linear (``fp8_wgmma``)
@@ -105,19 +110,26 @@ def layer_summary(rows: list[dict], tokens: int, fp8_rate: float) -> dict:
     us = sum(r[path + "_us"] for r in sel)
     floor = sum(r["floor_us"] for r in sel)
     at_fp8_rate = sum(2 * r["tokens"] * r["groups"] * r["n"] * r["k"] for r in sel) / fp8_rate * 1e6
-    return dict(path=path, us=us, floor_us=floor, of_floor=floor / us, fp8_rate_us=at_fp8_rate,
-                of_fp8_rate=at_fp8_rate / us, nvfp4_us=sum(r.get("nvfp4_us", 0.0) for r in sel),
-                fp8_wgmma_us=sum(r.get("fp8_wgmma_us", float("nan")) for r in sel))
+    found = dict(path=path, us=us, floor_us=floor, of_floor=floor / us, fp8_rate_us=at_fp8_rate,
+                 of_fp8_rate=at_fp8_rate / us, nvfp4_us=sum(r.get("nvfp4_us", 0.0) for r in sel),
+                 fp8_wgmma_us=sum(r.get("fp8_wgmma_us", float("nan")) for r in sel))
+    if sel and all("w8a8_us" in r for r in sel):
+        w8a8 = sum(r["w8a8_us"] for r in sel)
+        found.update(w8a8_us=w8a8, w8a8_of_fp8_rate=at_fp8_rate / w8a8)
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
     from gpu_timing import ColdTimer, measure_bf16_matmul, measure_copy, time_into
 
-    from nvfp4_megamoe.kernels import cute_host, sm90_fp8_linear as fp8, sm90_fp8_wgmma as fp8_wgmma
+    from nvfp4_megamoe.kernels import cute_host, sm90_fp8_gemm as w8a8, sm90_fp8_linear as fp8
+    from nvfp4_megamoe.kernels import sm90_fp8_wgmma as fp8_wgmma
     from nvfp4_megamoe.kernels.sm90_heuristics import fp8_wgmma_config
     from nvfp4_megamoe.kernels import sm90_nvfp4_linear as nvfp4
     from nvfp4_megamoe.kernels.fp8_reference import fp8_linear
     from nvfp4_megamoe.kernels.swizzle import swizzled_nbytes
+
+    from nvfp4_megamoe.kernels.sm90_heuristics import fp8_gemm_config
 
     from linear_bench import parse_arguments
 
@@ -153,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
             if wgmma is not None:
                 cute_host.compile_op(fp8_wgmma.linear_op(wgmma), [w[0], sc[0], x, out])
             nvfp4.warmup(n, k, "cuda", groups=groups)
+            if t >= W8A8_MIN_TOKENS:
+                w8a8.warmup(n, k, "cuda", groups=groups, x_dtype=torch.bfloat16)
     print(f"compiled {cute_host.compile_all(jobs)} kernels")
 
     rows_out = []
@@ -194,8 +208,19 @@ def main(argv: list[str] | None = None) -> None:
             sa, sb = torch.ones(t, 1, device="cuda"), torch.ones(1, n, device="cuda")
             time_into(row, "scaled_mm", lambda: [torch._scaled_mm(xq, wf8[i].T, sa, sb, out_dtype=torch.bfloat16)
                                                  for i in chain], timer, args.reps)
+        if t >= W8A8_MIN_TOKENS and w8a8.can_implement(n, k, groups):
+            time_into(row, "w8a8", lambda: [w8a8.sm90_fp8_gemm(x, w[i], sc[i], groups=groups, out=out)
+                                            for i in chain], timer, args.reps)
+            x8, sx8 = w8a8.quantize_activations(x)
+            gemm = w8a8.gemm_op(fp8_gemm_config(n, k, t, groups))
+            time_into(row, "w8a8_gemm", lambda: [cute_host.launch(gemm, [x8, sx8, w[i], sc[i], out]) for i in chain],
+                      timer, args.reps)
         for key in [key for key in row if key.endswith("_us") and key != "floor_us"]:
             row[key] /= args.chain
+        at_fp8_rate = 2 * t * groups * n * k / fp8_rate * 1e6
+        for key in ("w8a8", "w8a8_gemm"):
+            if f"{key}_us" in row:
+                row[f"{key}_of_fp8_rate"] = at_fp8_rate / row[f"{key}_us"]
         rows_out.append(row)
         got = row.get("fp8_us", float("nan"))
         best = min((v, key) for key, v in row.items() if key.startswith("fp8") and key.endswith("_us"))
@@ -204,12 +229,17 @@ def main(argv: list[str] | None = None) -> None:
               f"{row.get('dequant_bf16_us', float('nan')):7.1f}; nvfp4 "
               f"{row.get('nvfp4_us', float('nan')):7.1f}; fp8_wgmma {row.get('fp8_wgmma_us', float('nan')):7.1f}; "
               f"scaled_mm {row.get('scaled_mm_us', float('nan')):7.1f}; "
-              f"reference {row.get('reference_us', float('nan')):8.1f}")
+              f"reference {row.get('reference_us', float('nan')):8.1f}"
+              + (f"; w8a8 {row['w8a8_us']:7.1f} ({row['w8a8_of_fp8_rate']:5.1%} of the FP8 rate), GEMM alone "
+                 f"{row['w8a8_gemm_us']:7.1f} ({row['w8a8_gemm_of_fp8_rate']:5.1%})"
+                 if "w8a8_gemm_us" in row and "w8a8_us" in row else ""))
     for t in tokens:
         got = layer_summary(rows_out, t, fp8_rate)
         print(f"T={t}: a layer's FP8 linears as the runtime runs them ({got['path']}) {got['us']:.1f} us, floor "
               f"{got['floor_us']:.1f} us ({got['of_floor']:.1%}), at the FP8 rate {got['fp8_rate_us']:.1f} us "
-              f"({got['of_fp8_rate']:.1%}); NVFP4 {got['nvfp4_us']:.1f} us; FP8 WGMMA {got['fp8_wgmma_us']:.1f} us")
+              f"({got['of_fp8_rate']:.1%}); NVFP4 {got['nvfp4_us']:.1f} us; FP8 WGMMA {got['fp8_wgmma_us']:.1f} us"
+              + (f"; W8A8 {got['w8a8_us']:.1f} us ({got['w8a8_of_fp8_rate']:.1%} of the FP8 rate)"
+                 if "w8a8_us" in got else ""))
     print(f"copy {copy_bw / 1e12:.2f} TB/s, BF16 matmul {bf16_rate / 1e12:.0f} TFLOP/s, FP8 matmul "
           f"{fp8_rate / 1e12:.0f} TFLOP/s")
     if args.json:

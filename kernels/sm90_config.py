@@ -1,5 +1,5 @@
-"""Static configurations of the SM90 NVFP4 GEMMs, of the MoE layer, of the decode compressor step and of the mHC
-``hc_pre`` with its product by ``fn``: what a compiled kernel is specialised on.
+"""Static configurations of the SM90 NVFP4 and FP8 GEMMs, of the MoE layer, of the decode compressor step and of
+the mHC ``hc_pre`` with its product by ``fn``: what a compiled kernel is specialised on.
 
 Frozen dataclasses, so a configuration is a value: it keys the compile cache (``cute_host``), it prints as what it
 is, and a kernel object cannot drift from it. ``sm90_heuristics`` builds them from the layer shape and the token
@@ -15,6 +15,7 @@ K_TILE = 128      # logical K per k-tile of both GEMM families (16 bytes of one 
 WIDTH_STEP = 16   # between the MMA widths of one WGMMA kernel (``WgmmaTiling.min_tokens``)
 ATTENTION_CHUNK = 64          # KV entries per pipeline step of the decode attention kernel
 ATTENTION_HEADS_PER_CTA = 64  # heads per CTA of the decode attention kernel (one wgmma m64 tile)
+SMEM_LIMIT = 227 * 1024       # shared memory one CTA may ask for on sm_90 (the launch fails above it)
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,35 @@ class Fp8WgmmaConfig:
     k_splits: int = 1
     min_ctas: int = 1
     scale_f32: bool = False
+
+
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """One compiled FP8 x FP8 (W8A8) block-scaled GEMM (``sm90_fp8_gemm``): E4M3 activations with one float32 scale
+    per token and 128 K, E4M3 weights with 128 x 128 block scales, float32 out.
+
+    Attributes:
+        n: weight rows per group (out features), a multiple of 128 and of ``block_n``.
+        k: in features per group, a multiple of 128.
+        groups: G linears of one launch (``wo_a``): weights [G * N, K], x [T, G * K], out [T, G * N].
+        block_n: weight rows (output columns) per CTA tile: 64, 128 or 192 (the wgmma's N).
+        warpgroups: consumer warpgroups, each 64 tokens of the tile (``block_m`` = 64 x warpgroups), beside one
+            producer warpgroup that issues the TMA loads.
+        stages: 128-K stages of both operands in the shared-memory ring.
+        scale_f32: the weight's block scales are float32 (-Base checkpoints), not E8M0 bytes.
+    """
+
+    n: int
+    k: int
+    groups: int = 1
+    block_n: int = 128
+    warpgroups: int = 2
+    stages: int = 6
+    scale_f32: bool = False
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.warpgroups
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import K_TILE, Fp8LinearConfig
 from .sm90_heuristics import (fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts, fp8_reads_f32_x,
-                              fp8_wgmma_pays)
+                              fp8_w8a8_pays, fp8_wgmma_pays)
 
 WARPS = 4                 # row groups (warps) per CTA, each 16 * row_tiles weight rows
 SCALE_BLOCK = 128         # rows and columns of one block scale
@@ -329,11 +329,7 @@ class Sm90Fp8Dequant:
             if const_expr(self.scale_f32):
                 s = Float32(mS[row // SCALE_BLOCK, col // SCALE_BLOCK])
             else:
-                e = Int32(mS[row // SCALE_BLOCK, col // SCALE_BLOCK])
-                bits = e << 23
-                if e == 0:
-                    bits = Int32(1 << 22)   # E8M0 0 is 2**-127, a float32 subnormal
-                s = ptx.f32_of_bits(bits)
+                s = ptx.e8m0_to_f32(Int32(mS[row // SCALE_BLOCK, col // SCALE_BLOCK]))
             v = ptx.ld_global_v4(mW.iterator.toint() + Int64(chunk) * 16)
             words = []
             for i in cutlass.range_constexpr(4):
@@ -397,6 +393,10 @@ def warmup(n: int, k: int, device: torch.device | str, scale_dtype: torch.dtype 
         from . import sm90_fp8_wgmma
 
         wgmma = sm90_fp8_wgmma.warmup(n, k, dev, scale_dtype, groups)
+        from . import sm90_fp8_gemm
+
+        if sm90_fp8_gemm.can_implement(n, k, groups):
+            wgmma += sm90_fp8_gemm.warmup(n, k, dev, scale_dtype, groups, x_dtype)
     return len(configs) + 1 + wgmma
 
 
@@ -449,6 +449,11 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
 
         if sm90_fp8_wgmma.can_implement(n, k, x.shape[0], groups):
             return sm90_fp8_wgmma.sm90_fp8_linear_wgmma(x, weight, scale, out, groups)
+    if fp8_w8a8_pays(x.shape[0]) and out.dtype == torch.float32 and weight.data_ptr() % 16 == 0:
+        from . import sm90_fp8_gemm
+
+        if sm90_fp8_gemm.can_implement(n, k, groups):
+            return sm90_fp8_gemm.sm90_fp8_gemm(x, weight, scale, groups=groups, out=out)
     if not fp8_kernel_pays(x.shape[0]):
         return _dequantized_linear(x, weight, scale, out, groups)
     if x.dtype == torch.float32 and not fp8_reads_f32_x(x.shape[0]):

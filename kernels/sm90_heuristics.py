@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from .sm90_config import (ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, CompressStepConfig, Fp8LinearConfig,
-                          Fp8WgmmaConfig, GemmConfig, GemmProblem, HcPreFusedConfig, MmaTiling, MoePlan, MoeShape,
+from .sm90_config import (ATTENTION_CHUNK, ATTENTION_HEADS_PER_CTA, K_TILE, SMEM_LIMIT, CompressStepConfig,
+                          Fp8GemmConfig, Fp8LinearConfig, Fp8WgmmaConfig, GemmConfig, GemmProblem, HcPreFusedConfig,
+                          MmaTiling, MoePlan, MoeShape,
                           WgmmaTiling)
 
 TILE_TOKEN_CHOICES = (8, 16, 32, 64)      # mma.sync token tiles
@@ -214,6 +215,16 @@ def fp8_wgmma_pays(tokens: int) -> bool:
     return FP8_WGMMA_TOKENS[0] <= tokens <= FP8_WGMMA_TOKENS[1]
 
 
+FP8_W8A8_MIN_TOKENS = 1024   # calls of this many tokens and more run the W8A8 GEMM where it tiles W
+
+
+def fp8_w8a8_pays(tokens: int) -> bool:
+    """Whether a call of ``tokens`` rows runs the W8A8 GEMM (``sm90_fp8_gemm``: activations quantised per 128 K, as
+    the official inference does, and FP8 tensor cores) instead of the weight dequantised to BF16 on cuBLAS: prefill
+    chunks."""
+    return tokens >= FP8_W8A8_MIN_TOKENS
+
+
 def fp8_reads_f32_x(tokens: int) -> bool:
     """Whether the FP8 linear kernel reads float32 activations itself (rounding them to BF16 as it loads them) for a
     call of ``tokens`` rows, saving the cast's launch (a kernel of its own in the step's graph, nine calls a layer;
@@ -229,6 +240,57 @@ def fp8_linear_token_counts() -> tuple[int, ...]:
     token tile, as one call fills it and as two do, and a call of more tiles: every longer one runs the same)."""
     counts = set(TILE_TOKEN_CHOICES) | {2 * t for t in TILE_TOKEN_CHOICES} | {FP8_KERNEL_MAX_TOKENS}
     return tuple(sorted(t for t in counts if fp8_kernel_pays(t)))
+
+
+# -- FP8 x FP8 (W8A8) GEMM, prefill -------------------------------------------------------------------------------
+# Not yet measured on an H200: the rules below are the tile arithmetic alone, to be checked against the benchmark.
+FP8_GEMM_BLOCK_N = (128, 192)            # W8A8 GEMM tile widths the pick weighs (N rows of W per CTA) ...
+FP8_GEMM_TILE_OVERHEAD = 32              # ... a tile of B columns taken to cost as B + this many at full rate
+FP8_GEMM_ONE_WARPGROUP_TOKENS = 64       # calls up to this many tokens run 64-token tiles (one consumer warpgroup)
+FP8_GEMM_MAX_STAGES = 8                  # 128-K stages of the shared-memory ring at most
+FP8_GEMM_SMEM_RESERVE = 2048             # bytes kept for the ring's mbarriers and its 1024-byte alignment
+
+
+def fp8_gemm_stages(block_m: int, block_n: int, k: int) -> int:
+    """The deepest ring of 128-K stages (``block_m + block_n`` rows of 128 bytes each) that fits a CTA's shared
+    memory, at most ``FP8_GEMM_MAX_STAGES`` and no more than the K-tiles (at least 2)."""
+    fit = (SMEM_LIMIT - FP8_GEMM_SMEM_RESERVE) // ((block_m + block_n) * K_TILE)
+    return max(2, min(fit, FP8_GEMM_MAX_STAGES, k // K_TILE))
+
+
+def fp8_gemm_config(n: int, k: int, tokens: int, groups: int = 1, scale_f32: bool = False,
+                    sms: int = 132) -> Fp8GemmConfig:
+    """The W8A8 GEMM (``sm90_fp8_gemm``) for ``tokens`` rows of x [., G * K] against ``groups`` W [N, K].
+
+    Tokens: 128-token tiles (two consumer warpgroups share each weight tile, half the weight traffic per FLOP of a
+    64-token one), 64-token tiles up to ``FP8_GEMM_ONE_WARPGROUP_TOKENS`` tokens. Width: of the ``FP8_GEMM_BLOCK_N``
+    that divide N, the one whose grid runs in the least time, counting each wave of CTAs (``sms`` at once, one CTA
+    per SM) as long as its tile's columns plus ``FP8_GEMM_TILE_OVERHEAD`` (a wider tile reads less shared memory per
+    FLOP): 192 where it saves a wave, e.g. V4-Flash's ``wq_a + wkv`` (N = 1536) at 2048 tokens, 128 tiles of 192
+    instead of 192 of 128 on 132 SMs."""
+    warpgroups = 1 if tokens <= FP8_GEMM_ONE_WARPGROUP_TOKENS else 2
+    block_m = 64 * warpgroups
+    m_tiles = -(-tokens // block_m)
+    best = None
+    for block_n in FP8_GEMM_BLOCK_N:
+        if n % block_n:
+            continue
+        waves = -(-(m_tiles * (n // block_n) * groups) // sms)
+        cost = waves * (block_n + FP8_GEMM_TILE_OVERHEAD)
+        if best is None or cost < best[0]:
+            best = (cost, block_n)
+    block_n = best[1] if best else FP8_GEMM_BLOCK_N[0]
+    return Fp8GemmConfig(n=n, k=k, groups=groups, block_n=block_n, warpgroups=warpgroups,
+                         stages=fp8_gemm_stages(block_m, block_n, k), scale_f32=scale_f32)
+
+
+def fp8_gemm_configs(n: int, k: int, groups: int = 1, scale_f32: bool = False) -> set[Fp8GemmConfig]:
+    """Every configuration :func:`fp8_gemm_config` can pick for ``groups`` W [N, K], whatever the token count (what
+    a warm-up compiles): each warpgroup count with each tile width that divides N."""
+    return {Fp8GemmConfig(n=n, k=k, groups=groups, block_n=bn, warpgroups=wg,
+                          stages=fp8_gemm_stages(64 * wg, bn, k), scale_f32=scale_f32)
+            for wg in (1, 2) for bn in FP8_GEMM_BLOCK_N if n % bn == 0} or {fp8_gemm_config(n, k, 1, groups,
+                                                                                             scale_f32)}
 
 
 # -- WGMMA (prefill) ------------------------------------------------------------------------------------------------

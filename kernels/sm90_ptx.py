@@ -14,6 +14,9 @@ and vector I/O, distributed shared memory reads across a cluster (``mapa``), ``e
 Compressor step (``sm90_compressor``): the cos and sin of a RoPE angle, accurate for large positions; a float stored
 into a peer CTA's shared memory (the cluster's sum of squares).
 
+FP8 GEMM (``sm90_fp8_gemm``): E8M0 scale bytes as floats, IEEE division (the activation quantiser divides as torch
+does) and four floats to four E4M3 bytes.
+
 Shared memory is addressed by 32-bit ``.shared`` addresses, global memory by 64-bit generic
 addresses. Every helper is a pure function of 32-bit registers (``Int32``) or ``Float32`` values
 unless it stores or copies.
@@ -21,11 +24,14 @@ unless it stores or copies.
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
+
+from . import sm90_config as _config
 
 
 def _struct(n: int, ty: str = "i32") -> ir.Type:
@@ -36,7 +42,7 @@ def _unpack(res, n: int, ty, wrap, loc=None, ip=None):
     return tuple(wrap(llvm.extractvalue(ty, res, [i], loc=loc, ip=ip)) for i in range(n))
 
 
-SMEM_LIMIT = 227 * 1024  # shared memory one CTA may ask for on sm_90 (the launch fails above it)
+SMEM_LIMIT = _config.SMEM_LIMIT  # shared memory one CTA may ask for on sm_90
 
 
 @dsl_user_op
@@ -434,6 +440,37 @@ def ld_global_v2_f32(addr: Int64, *, loc=None, ip=None) -> tuple[Float32, Float3
         _struct(2, "f32"), [Int64(addr).ir_value(loc=loc, ip=ip)],
         "ld.global.cg.v2.f32 {$0, $1}, [$2];", "=f,=f,l", has_side_effects=False, loc=loc, ip=ip)
     return _unpack(res, 2, T.f32(), Float32, loc, ip)
+
+
+def e8m0_to_f32(e: Int32) -> Float32:
+    """An E8M0 scale byte ``e`` (0..254) as the float ``2**(e - 127)``; 0 is ``2**-127``, a float32 subnormal."""
+    return f32_of_bits(cutlass.max(Int32(e) << 23, Int32(1 << 22)))   # e >= 1: e << 23 is at least 1 << 23
+
+
+def div_rn_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """``a / b`` rounded to nearest (IEEE, subnormals kept): what torch's float32 division gives."""
+    return Float32(llvm.inline_asm(T.f32(), [_f32(a, loc, ip), _f32(b, loc, ip)], "div.rn.f32 $0, $1, $2;",
+                                   "=f,f,f", has_side_effects=False, loc=loc, ip=ip))
+
+
+def f32x4_to_e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
+    """Four floats -> four E4M3 bytes (``a`` the lowest), rounded to nearest even, saturated to +-448 (as torch's
+    cast for every value that rounds to at most 448; NaN stays NaN)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [_f32(v, loc, ip) for v in (a, b, c, d)],
+        "{.reg .b16 lo, hi;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n\t"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n\t"
+        "mov.b32 $0, {lo, hi};}",
+        "=r,f,f,f,f", has_side_effects=False, loc=loc, ip=ip))
+
+
+def ld_global_v2_b32(addr: Int64, *, loc=None, ip=None) -> tuple[Int32, Int32]:
+    """8 bytes from an 8-aligned global address, read-only path (activations read once)."""
+    res = llvm.inline_asm(
+        _struct(2), [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.L1::no_allocate.v2.u32 {$0, $1}, [$2];", "=r,=r,l", has_side_effects=False, loc=loc, ip=ip)
+    return _unpack(res, 2, T.i32(), Int32, loc, ip)
 
 
 LOG2E = 1.4426950408889634   # exp(x) = ex2(x * LOG2E): softmax and sigmoids run in log2 units

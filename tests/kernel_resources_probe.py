@@ -1,8 +1,9 @@
 """Compile, for sm_90a (no GPU), the kernel configurations the runtime can launch for V4-Flash and V4-Pro: the MoE
 plans a layer can pick (weights row-major and in row tiles), decode attention in its three modes with the clusters
 ``pick_cluster`` chooses and the combine kernel, and its prefill form, the indexer's score (decode and shared-keys)
-and sort kernels, the mHC weights (also with the product by ``fn``), the compressor step, the step's query and key and
-the router; print, as JSON, each kernel's registers per thread and stack frame bytes (spills) read from its cubin.
+and sort kernels, the mHC weights (also with the product by ``fn``), the compressor step, the step's query and key,
+the router and the W8A8 GEMM; print, as JSON, each kernel's registers per thread and stack frame bytes (spills) read
+from its cubin.
 
 ``--all`` compiles every configuration; without it, one GEMM (and one routing kernel) per configuration that differs
 only in its token tile (the widest tile, whose accumulators take the most registers) and every other kernel. ``--jobs N`` compiles in N
@@ -93,13 +94,14 @@ def jobs(every: bool) -> list[tuple]:
     from nvfp4_megamoe.kernels.sm90_compressor import Sm90CompressStep, stand_in_operands as compressor_operands
     from nvfp4_megamoe.kernels.sm90_qkv_step import QkvStepConfig, Sm90QkvStep, stand_in_operands as qkv_operands
     from nvfp4_megamoe.kernels.sm90_router import RouterConfig
+    from nvfp4_megamoe.kernels.sm90_fp8_gemm import Sm90Fp8ActQuant, Sm90Fp8Gemm
     from nvfp4_megamoe.kernels.sm90_fp8_linear import Sm90Fp8Dequant, Sm90Fp8Linear
     from nvfp4_megamoe.kernels.sm90_fp8_wgmma import Sm90Fp8WgmmaLinear
-    from nvfp4_megamoe.kernels.sm90_heuristics import (compress_step_config, fp8_linear_config, fp8_linear_token_counts,
-                                                       fp8_reads_f32_x, fp8_wgmma_config, fp8_wgmma_token_counts,
-                                                       hc_pre_fused_config)
-    from sm90_stand_ins import (FP8_LINEAR_SHAPES, decode_attention_args, fp8_linear_args, hc_post_args, hc_pre_args,
-                                prefill_attention_args)
+    from nvfp4_megamoe.kernels.sm90_heuristics import (compress_step_config, fp8_gemm_configs, fp8_linear_config,
+                                                       fp8_linear_token_counts, fp8_reads_f32_x, fp8_wgmma_config,
+                                                       fp8_wgmma_token_counts, hc_pre_fused_config)
+    from sm90_stand_ins import (FP8_LINEAR_SHAPES, decode_attention_args, fp8_gemm_args, fp8_linear_args,
+                                hc_post_args, hc_pre_args, prefill_attention_args)
 
     found: dict[tuple, tuple] = {}
     record = lambda op, tensors: found.setdefault((type(op).__name__, op.key()), (op, tensors))  # noqa: E731
@@ -175,6 +177,17 @@ def jobs(every: bool) -> list[tuple]:
     for scale_f32 in (False, True):
         w, scale, x, _ = fp8_linear_args(scale_f32=scale_f32)
         record(Sm90Fp8Dequant(scale_f32=scale_f32), [w, scale, x.new_zeros(w.shape)])
+    # the W8A8 GEMM: one configuration per register shape (tile width, warpgroups) V4's FP8 linears can pick, with
+    # E8M0 scales and the widest with float32 ones, and the quantiser for float32 and BF16 x
+    w8a8: dict[tuple, object] = {}
+    for n, k, groups in FP8_LINEAR_SHAPES:
+        for config in sorted(fp8_gemm_configs(n, k, groups), key=repr):
+            w8a8.setdefault((config.block_n, config.warpgroups), config)
+    widest = max(w8a8.values(), key=lambda c: (c.block_n, c.warpgroups))
+    for config in list(w8a8.values()) + [replace(widest, scale_f32=True)]:
+        record(Sm90Fp8Gemm(config), fp8_gemm_args(scale_f32=config.scale_f32)[1])
+    for x_f32 in (False, True):
+        record(Sm90Fp8ActQuant(x_f32=x_f32), fp8_gemm_args(x_f32=x_f32)[0])
     chosen = list(found.values())
     if not every:  # per GEMM configuration up to its token tile: the widest tile (then the fewest MMA widths)
         widest: dict[tuple, tuple] = {}

@@ -67,6 +67,14 @@ FP8_LINEAR_SHAPES = [(1024, 4096, 1), (32768, 1024, 1), (512, 4096, 1), (1024, 4
                      (1024, 8192, 16), (7168, 16384, 1), (3072, 7168, 1), (7168, 3072, 1)]
 
 
+def fp8_gemm_args(scale_f32: bool = False, x_f32: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(x, xq, sx) of ``Sm90Fp8ActQuant`` and (xq, sx, w, sw, out) of ``Sm90Fp8Gemm``."""
+    x = torch.zeros(3, 256, dtype=torch.float32 if x_f32 else torch.bfloat16)
+    xq, sx = torch.zeros(3, 256, dtype=torch.uint8), torch.zeros(3, 2)
+    sw = torch.zeros(2, 2, dtype=torch.float32 if scale_f32 else torch.uint8)
+    return [x, xq, sx], [xq, sx, torch.zeros(256, 256, dtype=torch.uint8), sw, torch.zeros(3, 256)]
+
+
 def fp8_linear_args(scale_f32: bool = False, out_bf16: bool = False, x_f32: bool = False) -> list[torch.Tensor]:
     """w, scale, x, out of ``Sm90Fp8Linear``."""
     scale = torch.zeros(2, 2, dtype=torch.float32 if scale_f32 else torch.uint8)

@@ -38,3 +38,15 @@ def test_a_layer_summary_sums_the_path_run_against_both_floors():
     assert got["of_fp8_rate"] == pytest.approx(flops / rate * 1e6 / 80.0) and got["nvfp4_us"] == pytest.approx(95.0)
     one = fp8_linear_bench.layer_summary(rows, 1, rate)
     assert (one["path"], one["us"], one["of_floor"]) == ("fp8_x32", 5.0, pytest.approx(0.4))
+
+
+def test_a_layer_summary_adds_the_w8a8_gemm_where_every_row_timed_it():
+    rows = [dict(tokens=2048, n=4096, k=1024, groups=1, floor_us=30.0, dequant_bf16_us=60.0, w8a8_us=40.0),
+            dict(tokens=2048, n=1024, k=512, groups=4, floor_us=10.0, dequant_bf16_us=20.0, w8a8_us=10.0)]
+    rate = 1e15
+    got = fp8_linear_bench.layer_summary(rows, 2048, rate)
+    flops = 2 * 2048 * (4096 * 1024 + 4 * 1024 * 512)
+    assert got["w8a8_us"] == pytest.approx(50.0)
+    assert got["w8a8_of_fp8_rate"] == pytest.approx(flops / rate * 1e6 / 50.0)
+    del rows[1]["w8a8_us"]
+    assert "w8a8_us" not in fp8_linear_bench.layer_summary(rows, 2048, rate)

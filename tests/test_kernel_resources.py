@@ -1,8 +1,8 @@
 """CI (CPU-only) guard on what ptxas gives the Hopper kernels: the configurations the runtime can launch for V4-Flash
 and V4-Pro (the MoE plans ``Sm90Nvfp4Moe.warmup`` compiles up to 8192 tokens, decode attention with its clusters and
 combine and its prefill form, the indexer, the mHC weights, the compressor step, the step's query and key, the
-router) are compiled for sm_90a and their cubins read (``kernel_resources_probe.py``, in fresh interpreters, several
-at once).
+router, the W8A8 GEMM) are compiled for sm_90a and their cubins read (``kernel_resources_probe.py``, in fresh
+interpreters, several at once).
 
 The CPU suite compiles one GEMM per configuration that differs only in its token tile (the widest tile, whose
 accumulators take the most registers) and every other kernel; ``-m slow`` compiles every configuration.
@@ -54,8 +54,7 @@ def test_no_kernel_the_runtime_launches_spills(resources):
         "Sm90Nvfp4MmaGemm", "Sm90Nvfp4WgmmaGemm", "Sm90MoeRouting", "Sm90StagedOrder", "Sm90DecodeAttention",
         "Sm90PrefillAttention", "Sm90DecodeAttentionCombine", "Sm90IndexerScores", "Sm90SortTopk", "Sm90HcPre",
         "Sm90HcPreFused", "Sm90HcPost", "Sm90Fp8Linear", "Sm90Fp8WgmmaLinear", "Sm90Fp8Dequant", "Sm90CompressStep",
-        "Sm90RouterTopk", "Sm90RouterHash",
-        "Sm90QkvStep"}
+        "Sm90RouterTopk", "Sm90RouterHash", "Sm90QkvStep", "Sm90Fp8Gemm", "Sm90Fp8ActQuant"}
     assert len({(k["kernel"], k["key"]) for k in kernels}) == len(kernels)  # the workers split one list
     spilled = [f'{k["kernel"]} {k["key"]}: {k["frame_bytes"]} bytes' for k in kernels if k["frame_bytes"]]
     assert not spilled, "kernels with a stack frame (register spills):\n" + "\n".join(spilled)
