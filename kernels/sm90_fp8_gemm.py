@@ -393,9 +393,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def warmup(n: int, k: int, device: torch.device | str, scale_dtype: torch.dtype = torch.uint8, groups: int = 1,
-           x_dtype: torch.dtype = torch.float32) -> int:
-    """Compile every configuration :func:`sm90_fp8_gemm` can pick for ``groups`` W [N, K] with these scales and x,
-    and the quantiser, so that no call compiles; returns how many."""
+           x_dtype: torch.dtype = torch.float32, min_tokens: int = 1) -> int:
+    """Compile every configuration :func:`sm90_fp8_gemm` can pick for ``groups`` W [N, K] with these scales and x at
+    ``min_tokens`` tokens or more, and the quantiser, so that no such call compiles; returns how many."""
     dev = torch.device(device)
     scale_f32 = scale_dtype == torch.float32
     w = torch.empty(groups * n, k, dtype=torch.uint8, device=dev)
@@ -406,7 +406,7 @@ def warmup(n: int, k: int, device: torch.device | str, scale_dtype: torch.dtype 
     sx = torch.empty(1, groups * k // K_TILE, dtype=torch.float32, device=dev)
     out = torch.empty(1, groups * n, dtype=torch.float32, device=dev)
     _compile(Sm90Fp8ActQuant(x_f32=x_dtype == torch.float32), [x, xq, sx])
-    configs = fp8_gemm_configs(n, k, groups, scale_f32)
+    configs = fp8_gemm_configs(n, k, groups, scale_f32, min_tokens)
     for config in configs:
         _compile(gemm_op(config), [xq, sx, w, sw, out])
     return len(configs) + 1

@@ -41,8 +41,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import K_TILE, Fp8LinearConfig
-from .sm90_heuristics import (fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts, fp8_reads_f32_x,
-                              fp8_w8a8_pays, fp8_wgmma_pays)
+from .sm90_heuristics import (FP8_W8A8_MIN_TOKENS, fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts,
+                              fp8_reads_f32_x, fp8_w8a8_pays, fp8_wgmma_pays)
 
 WARPS = 4                 # row groups (warps) per CTA, each 16 * row_tiles weight rows
 SCALE_BLOCK = 128         # rows and columns of one block scale
@@ -396,7 +396,7 @@ def warmup(n: int, k: int, device: torch.device | str, scale_dtype: torch.dtype 
         from . import sm90_fp8_gemm
 
         if sm90_fp8_gemm.can_implement(n, k, groups):
-            wgmma += sm90_fp8_gemm.warmup(n, k, dev, scale_dtype, groups, x_dtype)
+            wgmma += sm90_fp8_gemm.warmup(n, k, dev, scale_dtype, groups, x_dtype, min_tokens=FP8_W8A8_MIN_TOKENS)
     return len(configs) + 1 + wgmma
 
 
