@@ -6,7 +6,8 @@ For a converted checkpoint (``--checkpoint``; with ``--preset`` the synthetic pr
 * ``load``: seconds of ``load_model(path, device="cuda")`` (reading the shards and compiling or loading the
   kernels: ``warmup_seconds`` of it);
 * ``prefill``: tokens/s of ``Model.prefill`` of one ``--prefill-tokens`` prompt fed ``--prefill-chunk`` tokens at a
-  time (the second of two runs);
+  time (the second of two runs), against its compute floor: :func:`prefill_flops` at the BF16 matmul rate measured
+  in the same run (``floor_ms``, ``pct_of_floor``);
 * ``decode``, per context (``--contexts``) and batch (``--batches``): ``Model.step`` replayed from the state's CUDA
   graph. The state is not prefilled token by token: :meth:`DecodeState.assume_positions` puts slot ``s`` at
   ``context - 1 - (s * 37) % 128`` (slots close their compressor windows at different steps) over random entries
@@ -182,6 +183,36 @@ def time_decode(model, context: int, batch: int, steps: int, gen: torch.Generato
     return row
 
 
+def prefill_flops(config, tokens: int) -> float:
+    """FLOPs of a prefill of ``tokens`` tokens from position 0 (the numerator of its compute floor). Per decoder
+    layer and token: 2 x the weights the token multiplies (the attention projections; a compressed layer's
+    compressor projections, and CSA's indexer ones; the shared and the ``top_k`` routed experts; the router; the
+    mHC products before both sublayers), plus 4 H D per key its query attends to (its window of up to
+    ``sliding_window`` positions, then CSA's top-k of the entries it may see or HCA's every entry it may see) and
+    CSA's indexer, 2 h d per entry scored; plus the head once (the last token's logits)."""
+    c = config
+    h, heads, d = c.hidden_size, c.num_heads, c.head_dim
+    attention_weights = (h * c.q_lora_rank + c.q_lora_rank * heads * d + h * d + heads * d * c.o_lora_rank
+                         + c.o_groups * c.o_lora_rank * h)
+    ffn_weights = (c.n_shared_experts + c.top_k) * 3 * h * c.moe_intermediate_size + h * c.n_routed_experts
+    mhc_weights = 2 * (2 + c.hc_mult) * c.hc_mult * c.hc_mult * h
+    index_dims = c.index_n_heads * c.index_head_dim
+    total = 0.0
+    for ratio in c.compress_ratios:
+        weights = attention_weights + ffn_weights + mhc_weights
+        if ratio == 4:    # CSA: overlapping compressors (2d wide kv and gate), the indexer's, its query, its weights
+            weights += 4 * h * d + 4 * h * c.index_head_dim + h * c.index_n_heads + c.q_lora_rank * index_dims
+        elif ratio:       # HCA
+            weights += 2 * h * d
+        total += 2.0 * weights * tokens
+        for pos in range(tokens):
+            keys = min(c.sliding_window, pos + 1)
+            visible = (pos + 1) // ratio if ratio else 0
+            keys += min(c.index_topk, visible) if ratio == 4 else visible
+            total += 4.0 * heads * d * keys + (2.0 * index_dims * visible if ratio == 4 else 0.0)
+    return total + 2.0 * h * c.vocab_size
+
+
 def time_prefill(model, tokens: int, chunk: int, gen: torch.Generator) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (tokens,), device="cuda", generator=gen)
     state = model.new_state(1, tokens)
@@ -208,14 +239,14 @@ def compile_summary(report: list) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from gpu_timing import measure_copy
+    from gpu_timing import measure_bf16_matmul, measure_copy
 
     from nvfp4_megamoe.runtime import ModelConfig, load_model
 
     ensure_checkpoint(args.checkpoint, args.preset)
     config = ModelConfig.from_file(args.checkpoint)
     sizes = checkpoint_bytes(args.checkpoint, config)
-    copy_bw = measure_copy()
+    copy_bw, bf16_rate = measure_copy(), measure_bf16_matmul()
     t0 = time.perf_counter()
     model = load_model(args.checkpoint, device="cuda")
     torch.cuda.synchronize()
@@ -225,10 +256,14 @@ def main(argv: list[str] | None = None) -> None:
     entry = {"label": args.label, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
              "checkpoint": str(args.checkpoint), "backend": model.backend.name, "layers": layers,
              "compress_ratios": list(config.compress_ratios), "n_experts": sizes["n_experts"], "top_k": sizes["top_k"],
-             "copy_bytes_per_s": copy_bw, "load_seconds": load_s,
+             "copy_bytes_per_s": copy_bw, "bf16_flops_per_s": bf16_rate, "load_seconds": load_s,
              "warmup_seconds": getattr(model.backend, "warmup_seconds", None),
              "compiled": compile_summary(getattr(model.backend, "compile_report", [])),
              "prefill": time_prefill(model, args.prefill_tokens, args.prefill_chunk, gen), "decode": []}
+    prefill = entry["prefill"]
+    prefill["flops"] = prefill_flops(config, args.prefill_tokens)
+    prefill["floor_ms"] = prefill["flops"] / bf16_rate * 1e3
+    prefill["pct_of_floor"] = prefill["floor_ms"] / (prefill["seconds"] * 1e3)
     for context in args.contexts:
         for batch in args.batches:
             row = time_decode(model, context, batch, args.steps, gen)
@@ -247,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{args.checkpoint.name}: {layers} layers, load {load_s:.1f} s (kernels {kernels:.1f} s: "
           f"{built['kernels']} compiled in {built['workers']} processes, longest {built['longest_s']:.1f} s, "
           f"sum {built['sum_s']:.1f} s), "
-          f"prefill {entry['prefill']['tokens_per_s']:,.0f} tok/s, copy {copy_bw / 1e12:.2f} TB/s")
+          f"prefill {prefill['tokens_per_s']:,.0f} tok/s ({prefill['pct_of_floor']:.1%} of its compute floor, "
+          f"{prefill['floor_ms']:.1f} ms at {bf16_rate / 1e12:.0f} TFLOP/s BF16), copy {copy_bw / 1e12:.2f} TB/s")
     print(f"{'ctx':>6} {'B':>4} {'step ms':>8} {'GPU ms':>7} {'host':>5} {'/layer':>7} {'floor ms':>8} "
           f"{'% floor':>7} {'+state':>7} {'tok/s':>9} {'s':>5}")
     for r in entry["decode"]:

@@ -77,3 +77,24 @@ def test_decode_profile_ops_table_sums_each_op_by_its_shapes():
     mm = {shapes: calls for op, shapes, us, calls in rows if op == "aten::mm"}
     assert mm == {str([[64, 64], [64, 64]]): 1.0, str([[8, 8], [8, 8]]): 2.0}
     assert all(us > 0 for _, _, us, _ in rows) and [r[2] for r in rows] == sorted((r[2] for r in rows), reverse=True)
+
+
+def test_prefill_flops_counts_weights_once_a_token_and_each_key_a_query_reads():
+    """A CSA layer (window 2, top-1) and an HCA one (ratio 128) over 9 tokens, counted by hand: query p reads
+    min(2, p + 1) window keys, CSA's one best of its (p + 1) // 4 visible entries (0 before position 3), HCA's none
+    yet; the indexer scores every visible entry."""
+    c = types.SimpleNamespace(hidden_size=8, num_heads=2, head_dim=4, q_lora_rank=3, o_lora_rank=5, o_groups=1,
+                              n_shared_experts=1, top_k=2, moe_intermediate_size=6, n_routed_experts=4, hc_mult=1,
+                              index_n_heads=2, index_head_dim=2, index_topk=1, sliding_window=2, vocab_size=10,
+                              compress_ratios=(4, 128))
+    attention = 8 * 3 + 3 * 2 * 4 + 8 * 4 + 2 * 4 * 5 + 5 * 8
+    ffn = 3 * 3 * 8 * 6 + 8 * 4
+    mhc = 2 * 3 * 1 * 1 * 8
+    csa = attention + ffn + mhc + 4 * 8 * 4 + 4 * 8 * 2 + 8 * 2 + 3 * 2 * 2
+    hca = attention + ffn + mhc + 2 * 8 * 4
+    window = [1, 2, 2, 2, 2, 2, 2, 2, 2]
+    visible = [0, 0, 0, 1, 1, 1, 1, 2, 2]
+    keys_csa = [w + min(1, v) for w, v in zip(window, visible)]
+    want = (2 * 9 * (csa + hca) + 4 * 2 * 4 * (sum(keys_csa) + sum(window)) + 2 * 2 * 2 * sum(visible)
+            + 2 * 8 * 10)
+    assert e2e_bench.prefill_flops(c, 9) == want
