@@ -8,8 +8,7 @@ runtime calls them), at T = 1, 8, 32, 64, 128 tokens (``--prefill``: also 2048):
   reading float32 x (the runtime's activations; calls of up to ``sm90_heuristics.fp8_reads_f32_x`` tokens run it);
   with ``--sweep`` also its K splits (``fp8_s<S>``) and, at 32 tokens, one row tile (``fp8_rt1``);
 * ``fp8_wgmma`` (T >= 32): the FP8 WGMMA linear (``sm90_fp8_wgmma``, ``sm90_heuristics.fp8_wgmma_config``'s pick),
-  x BF16: the draft for calls of 32 tokens and more, which the runtime does not run yet (``sm90_fp8_linear`` runs
-  the mma.sync kernel up to 64 tokens, ``dequant_bf16`` past them); timed here to decide whether it should;
+  x BF16: what ``sm90_fp8_linear`` runs for 33 to 128 tokens (``sm90_heuristics.fp8_wgmma_pays``);
 * ``dequant_bf16``: the weight dequantised to BF16, then cuBLAS BF16 (float32 accumulation and out): what
   ``sm90_fp8_linear`` runs past the kernel's token range (``sm90_heuristics.fp8_kernel_pays``);
 * ``reference``: what a FP8 linear costs without the kernel (``fp8_linear``: the weight dequantised to float32 at

@@ -40,7 +40,9 @@ Groups (``wo_a``): a grid dimension; group g reads x's columns g K .. (g + 1) K,
 writes out's columns g N .. (g + 1) N (the operands are viewed as (rows, K, G) tensors for the TMA).
 
 The configuration is an ``Fp8GemmConfig`` (``sm90_config``) picked by ``sm90_heuristics.fp8_gemm_config``;
-:meth:`Sm90Fp8Gemm.can_implement` says whether the kernel takes one. Not yet run on an H200.
+:meth:`Sm90Fp8Gemm.can_implement` says whether the kernel takes one; ``sm90_fp8_linear`` runs it for calls of
+``sm90_heuristics.FP8_W8A8_MIN_TOKENS`` tokens and more. On an H200 a V4-Flash layer's FP8 linears at 2,048 tokens
+ran at 51 % of the FP8 matmul rate (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations

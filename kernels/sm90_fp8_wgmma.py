@@ -36,8 +36,8 @@ run while A(kt + 1) is decoded, x arrives a k-tile ahead of its store and two ah
 
 With ``k_splits`` > 1 each of the CTAs that share a tile's K adds its partial sums (``red.add``) into an output the
 caller zeroed. The configuration is an ``Fp8WgmmaConfig`` (``sm90_config``), picked by
-``sm90_heuristics.fp8_wgmma_config``; nothing the runtime runs launches this kernel yet (``sm90_fp8_linear``'s
-dispatch is unchanged): ``bench/fp8_linear_bench.py`` times it (column ``fp8_wgmma``).
+``sm90_heuristics.fp8_wgmma_config``; ``sm90_fp8_linear`` runs it for the calls ``sm90_heuristics.fp8_wgmma_pays``
+names (33 to 128 tokens); ``bench/fp8_linear_bench.py`` times it beside the other paths (column ``fp8_wgmma``).
 """
 
 from __future__ import annotations

@@ -245,7 +245,8 @@ def fp8_linear_token_counts() -> tuple[int, ...]:
 
 
 # -- FP8 x FP8 (W8A8) GEMM, prefill -------------------------------------------------------------------------------
-# Not yet measured on an H200: the rules below are the tile arithmetic alone, to be checked against the benchmark.
+# The rules below are the tile arithmetic alone: the H200 run of the picks (docs/benchmarks.md, 51 % of the FP8
+# rate for a V4-Flash layer at 2,048 tokens) has not been swept against other tile widths or stage counts.
 FP8_GEMM_BLOCK_N = (128, 192)            # W8A8 GEMM tile widths the pick weighs (N rows of W per CTA) ...
 FP8_GEMM_TILE_OVERHEAD = 32              # ... a tile of B columns taken to cost as B + this many at full rate
 FP8_GEMM_ONE_WARPGROUP_TOKENS = 64       # calls up to this many tokens run 64-token tiles (one consumer warpgroup)
@@ -336,12 +337,12 @@ def wgmma_tiling(tile_tokens: int, min_tokens: int, hidden: int, k: int, sms: in
 
 def fp8_wgmma_config(n: int, k: int, tokens: int, groups: int = 1, scale_f32: bool = False
                      ) -> Fp8WgmmaConfig | None:
-    """The FP8 WGMMA linear (``sm90_fp8_wgmma``) for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K], or
-    None where it does not tile W. ``sm90_fp8_linear`` runs it for the calls :func:`fp8_wgmma_pays` gives it. The grid is the NVFP4 WGMMA linear's
-    (:func:`linear_wgmma_tiling`: token tile, warpgroups, K split, all measured for that kernel); the register
-    pipeline holds 4 k-tiles at token tiles up to 64 and 2 at 128 (an FP8 k-tile is 32 bytes a row and thread, twice
-    NVFP4's, beside 64 accumulators), 128-token tiles run two warpgroups, and ptxas is not capped (the registers
-    say how many CTAs share an SM). None where W has no whole CTA of rows."""
+    """The FP8 WGMMA linear (``sm90_fp8_wgmma``) for ``tokens`` rows of x [., G, K] against ``groups`` W [N, K], or None
+    where it does not tile W. ``sm90_fp8_linear`` runs it for the calls :func:`fp8_wgmma_pays` gives it. The grid is the
+    NVFP4 WGMMA linear's (:func:`linear_wgmma_tiling`: token tile, warpgroups, K split, all measured for that kernel);
+    the register pipeline holds 4 k-tiles at token tiles up to 64 and 2 at 128 (an FP8 k-tile is 32 bytes a row and
+    thread, twice NVFP4's, beside 64 accumulators), 128-token tiles run two warpgroups, and ptxas is not capped (the
+    registers say how many CTAs share an SM). None where W has no whole CTA of rows."""
     tiling = linear_wgmma_tiling(n, k, tokens, groups)
     if tiling is not None and tiling.tile_tokens > 64 and tiling.warpgroups == 1:
         # one warpgroup staging a 128-token tile holds 64 words of x a thread beside 64 accumulators: ptxas spilled
