@@ -146,7 +146,7 @@ def main() -> None:
 @click.option("--dense", type=click.Choice(list(DENSE_MODES)), default=DEFAULT_DENSE, show_default=True,
               help="Dense FP8 linears (attention, shared experts, indexer projections): keep them as released (byte "
                    "for byte), or requantize them to NVFP4, which saves about 2 % of the checkpoint at a relative "
-                   "weight error of about 0.1 and a 4-19 % faster H200 decode step (docs/cli.md).")
+                   "weight error of about 0.1 and a 1-3 % faster H200 decode step (docs/cli.md).")
 @click.option("--target", type=click.Choice(list(TARGETS)), default="sm100", show_default=True,
               help="GPUs the checkpoint is for: sm100 is format 1's canonical layout (any GPU); sm90 also lays the "
                    "routed experts' weights out in Hopper row tiles, which the H100/H200 MoE kernels read 6-12 % "
