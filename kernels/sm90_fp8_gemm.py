@@ -61,7 +61,7 @@ from cutlass.tensor_utils import LayoutEnum
 from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import K_TILE, SMEM_LIMIT, Fp8GemmConfig
-from .sm90_fp8_linear import SCALE_BLOCK, _scale_operand
+from .sm90_fp8_linear import SCALE_BLOCK, _scale_operand, fp8_operands
 from .sm90_heuristics import FP8_GEMM_SMEM_RESERVE, fp8_gemm_config, fp8_gemm_configs
 
 E4M3_MAX = 448.0             # the largest finite E4M3 value: a block's amax maps to it
@@ -422,20 +422,11 @@ def sm90_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     ``weight`` float8_e4m3fn or its uint8 bytes [G * N, K] (group g: rows g N .. (g + 1) N, N and K multiples of
     128); ``scale`` [G * N / 128, K / 128], E8M0 (float8_e8m0fnu or uint8 bytes) or float32. Allocates its
     temporaries on the current stream each call (nothing cached: a CUDA graph may capture it)."""
-    _expect(groups >= 1 and weight.dim() == 2 and weight.shape[0] % groups == 0,
-            f"weight rows {tuple(weight.shape)} must split into {groups} groups")
-    n, k = weight.shape[0] // groups, weight.shape[1]
-    _expect(weight.dtype in (torch.float8_e4m3fn, torch.uint8) and weight.is_contiguous()
-            and weight.data_ptr() % 16 == 0, f"weight must be contiguous 16-byte aligned (the TMA's) float8_e4m3fn "
-                                             f"or uint8, got {weight.dtype}")
-    _expect(can_implement(n, k, groups), f"the FP8 GEMM does not tile W [N={n}, K={k}] (multiples of 128)")
-    _expect(x.dtype in (torch.bfloat16, torch.float32) and x.dim() == 2 and x.shape[1] == groups * k
-            and x.shape[0] >= 1 and x.is_contiguous(), f"x must be contiguous bf16 or f32 [T >= 1, G*K={groups * k}], "
-                                                       f"got {x.dtype} {tuple(x.shape)}")
-    want = (groups * n // SCALE_BLOCK, k // K_TILE)
-    _expect(tuple(scale.shape) == want and scale.dtype in (torch.float8_e8m0fnu, torch.uint8, torch.float32)
-            and scale.is_contiguous(), f"scale must be contiguous E8M0 or float32 {want}, got {scale.dtype} "
-                                       f"{tuple(scale.shape)}")
+    _expect(groups >= 1 and weight.dim() == 2 and weight.shape[0] % groups == 0 and weight.shape[1] % K_TILE == 0
+            and can_implement(weight.shape[0] // groups, weight.shape[1], groups),
+            f"the FP8 GEMM does not tile {groups} W {tuple(weight.shape)} (N and K multiples of 128)")
+    n, k = fp8_operands(x, weight, scale, groups)
+    _expect(weight.data_ptr() % 16 == 0, "weight must be 16-byte aligned (the TMA's)")
     t = x.shape[0]
     if out is None:
         out = torch.empty(t, groups * n, dtype=torch.float32, device=x.device)

@@ -416,17 +416,9 @@ def _dequantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     return out
 
 
-def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
-                    out_dtype: torch.dtype = torch.float32, groups: int = 1) -> torch.Tensor:
-    """Dense FP8 linear ``x @ (weight * scale).T``, or ``groups`` of them: ``out[t, g] = x[t, g] @ W[g].T``.
-
-    ``x`` BF16 or float32 [T, G * K] (T >= 1; float32: rounded to BF16 as the kernel reads it, or cast first where
-    ``sm90_heuristics.fp8_reads_f32_x`` says no); ``weight``
-    float8_e4m3fn or its uint8 bytes [G * N, K] (group g: rows g N .. (g + 1) N); ``scale`` [ceil(G * N / 128),
-    K / 128], E8M0 (float8_e8m0fnu or uint8 bytes) or float32. Returns ``out_dtype`` (float32 or BF16) [T, G * N].
-    Calls of the token counts ``sm90_heuristics.fp8_wgmma_pays`` names run the WGMMA kernel (``sm90_fp8_wgmma``,
-    float32 out, where it tiles W); calls of more tokens than the mma.sync kernel pays for
-    (``sm90_heuristics.fp8_kernel_pays``) dequantise W to BF16 and run cuBLAS."""
+def fp8_operands(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int) -> tuple[int, int]:
+    """Check the FP8 linears' operands (the contract of :func:`sm90_fp8_linear`, which the WGMMA and W8A8 hosts share)
+    and return each group's (N, K); ``KernelArgumentError`` naming the first one that does not fit."""
     _expect(groups >= 1 and weight.dim() == 2 and weight.shape[0] % groups == 0,
             f"weight rows {tuple(weight.shape)} must split into {groups} groups")
     n, k = weight.shape[0] // groups, weight.shape[1]
@@ -439,6 +431,21 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     _expect(tuple(scale.shape) == want and scale.dtype in (torch.float8_e8m0fnu, torch.uint8, torch.float32)
             and scale.is_contiguous(), f"scale must be contiguous E8M0 or float32 {want}, got {scale.dtype} "
                                        f"{tuple(scale.shape)}")
+    return n, k
+
+
+def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = torch.float32, groups: int = 1) -> torch.Tensor:
+    """Dense FP8 linear ``x @ (weight * scale).T``, or ``groups`` of them: ``out[t, g] = x[t, g] @ W[g].T``.
+
+    ``x`` BF16 or float32 [T, G * K] (T >= 1; float32: rounded to BF16 as the kernel reads it, or cast first where
+    ``sm90_heuristics.fp8_reads_f32_x`` says no); ``weight``
+    float8_e4m3fn or its uint8 bytes [G * N, K] (group g: rows g N .. (g + 1) N); ``scale`` [ceil(G * N / 128),
+    K / 128], E8M0 (float8_e8m0fnu or uint8 bytes) or float32. Returns ``out_dtype`` (float32 or BF16) [T, G * N].
+    Calls of the token counts ``sm90_heuristics.fp8_wgmma_pays`` names run the WGMMA kernel (``sm90_fp8_wgmma``,
+    float32 out, where it tiles W); calls of more tokens than the mma.sync kernel pays for
+    (``sm90_heuristics.fp8_kernel_pays``) dequantise W to BF16 and run cuBLAS."""
+    n, k = fp8_operands(x, weight, scale, groups)
     if out is None:
         out = torch.empty(x.shape[0], groups * n, dtype=out_dtype, device=x.device)
     _expect(tuple(out.shape) == (x.shape[0], groups * n) and out.dtype in (torch.bfloat16, torch.float32)

@@ -53,7 +53,7 @@ from cutlass import Float32, Int32, Int64
 from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import K_TILE, Fp8WgmmaConfig
-from .sm90_fp8_linear import LANE_K, SCALE_BLOCK, Fp8LinearParts, _scale_operand, decode_e4m3x4
+from .sm90_fp8_linear import LANE_K, SCALE_BLOCK, Fp8LinearParts, _scale_operand, decode_e4m3x4, fp8_operands
 from .sm90_heuristics import fp8_wgmma_config, fp8_wgmma_pays, fp8_wgmma_token_counts
 
 STAGES = 3           # staged x tiles: the MMAs' (kt), the one in flight before them (kt - 1), the one being stored
@@ -324,18 +324,7 @@ def sm90_fp8_linear_wgmma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     (float8_e8m0fnu or uint8 bytes) or float32, each at most ``2**63`` (``sm90_fp8_linear.scales_fit``; not checked
     here, it reads the scales). Returns float32 [T, G * N] (``out`` if given). Raises ``KernelArgumentError`` for
     operands it does not take and W it does not tile (:func:`can_implement`)."""
-    _expect(groups >= 1 and weight.dim() == 2 and weight.shape[0] % groups == 0,
-            f"weight rows {tuple(weight.shape)} must split into {groups} groups")
-    n, k = weight.shape[0] // groups, weight.shape[1]
-    _expect(weight.dtype in (torch.float8_e4m3fn, torch.uint8) and weight.is_contiguous(),
-            f"weight must be contiguous float8_e4m3fn or uint8, got {weight.dtype}")
-    _expect(x.dtype in (torch.bfloat16, torch.float32) and x.dim() == 2 and x.shape[1] == groups * k
-            and x.shape[0] >= 1 and x.is_contiguous(), f"x must be contiguous bf16 or f32 [T >= 1, G*K={groups * k}], "
-                                                       f"got {x.dtype} {tuple(x.shape)}")
-    want = (-(-groups * n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
-    _expect(tuple(scale.shape) == want and scale.dtype in (torch.float8_e8m0fnu, torch.uint8, torch.float32)
-            and scale.is_contiguous(), f"scale must be contiguous E8M0 or float32 {want}, got {scale.dtype} "
-                                       f"{tuple(scale.shape)}")
+    n, k = fp8_operands(x, weight, scale, groups)
     if out is None:
         out = torch.empty(x.shape[0], groups * n, dtype=torch.float32, device=x.device)
     _expect(tuple(out.shape) == (x.shape[0], groups * n) and out.dtype == torch.float32 and out.is_contiguous(),

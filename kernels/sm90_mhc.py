@@ -467,30 +467,42 @@ class Sm90HcPost:
                 ptx.st_global_v2_f32(at + 8, acc[2], acc[3])
 
 
+def _hc_pre_operands(x: torch.Tensor, fn: torch.Tensor, norm_weight: torch.Tensor | None
+                     ) -> tuple[list[int], int, int, torch.Tensor]:
+    """The hc_pre hosts' checks of x [..., hc, H], fn and the norm's weight, and x as the float32 rows [N, hc * H] the
+    kernels load 16 bytes at a time; -> (lead dims, hc, H, rows)."""
+    *lead, hc, h = x.shape
+    m = (2 + hc) * hc
+    _expect(x.is_cuda and tuple(fn.shape) == (m, hc * h), f"x must be CUDA [..., hc, H] and fn [(2+hc)*hc = {m}, "
+            f"hc*H], got x {tuple(x.shape)}, fn {tuple(fn.shape)}")
+    if norm_weight is not None:
+        _expect(tuple(norm_weight.shape) == (h,), f"norm_weight must be [{h}], got {tuple(norm_weight.shape)}")
+    flat = x.float().reshape(-1, hc * h).contiguous()   # a copy only of the embedding's broadcast streams
+    if flat.data_ptr() % 16:                             # a view at an odd offset: the kernel loads 16 bytes
+        flat = flat.clone()
+    return lead, hc, h, flat
+
+
+def _hc_pre_outputs(n: int, hc: int, h: int, device) -> tuple[torch.Tensor, ...]:
+    """The hc_pre kernels' float32 outputs for N tokens: the sublayer input [N, H], pre and post [N, hc], comb
+    [N, hc * hc]."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return (torch.empty(n, h, **f32), torch.empty(n, hc, **f32), torch.empty(n, hc, **f32),
+            torch.empty(n, hc * hc, **f32))
+
+
 def sm90_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, iters: int,
                 hc_eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mhc_reference.hc_pre`` on the GPU: streams x [..., hc, H] -> (sublayer input [..., H], post [..., hc], comb
     [..., hc, hc]), all float32: the product by ``fn`` (cuBLAS), then one launch. With ``norm_weight`` [H] the
     sublayer input comes RMS-normalised (eps ``norm_eps``) and scaled by it, in the same launch."""
-    *lead, hc, h = x.shape
-    m = (2 + hc) * hc
-    _expect(x.is_cuda and tuple(fn.shape) == (m, hc * h), f"x must be CUDA [..., hc, H] and fn [(2+hc)*hc = {m}, "
-            f"hc*H], got x {tuple(x.shape)}, fn {tuple(fn.shape)}")
-    norm = norm_weight is not None
+    lead, hc, h, flat = _hc_pre_operands(x, fn, norm_weight)
+    norm, n = norm_weight is not None, flat.shape[0]
     _expect(Sm90HcPre.can_implement(hc, h, norm), f"x must have {HC_SIZES} streams of a width divisible by 4 (at "
             f"most {NORM_MAX_HIDDEN} with the norm), got {tuple(x.shape)}")
-    if norm:
-        _expect(tuple(norm_weight.shape) == (h,), f"norm_weight must be [{h}], got {tuple(norm_weight.shape)}")
-    flat = x.float().reshape(-1, hc * h).contiguous()   # a copy only of the embedding's broadcast streams
-    if flat.data_ptr() % 16:                             # a view at an odd offset: the kernel loads 16 bytes
-        flat = flat.clone()
-    n = flat.shape[0]
     mm = flat @ fn.float().T
-    out = torch.empty(n, h, dtype=torch.float32, device=x.device)
-    pre = torch.empty(n, hc, dtype=torch.float32, device=x.device)
-    post = torch.empty_like(pre)
-    comb = torch.empty(n, hc * hc, dtype=torch.float32, device=x.device)
+    out, pre, post, comb = _hc_pre_outputs(n, hc, h, x.device)
     if n:
         # the reference runs the first column normalisation whatever ``iters``: 0 rounds of Sinkhorn after it == 1
         scale32 = scale.float().contiguous()
@@ -523,17 +535,8 @@ def sm90_hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     """:func:`sm90_hc_pre` in one launch, the product by ``fn`` too (:class:`Sm90HcPreFused`): the same operands and
     outputs. ``cluster`` fixes the CTAs of a token (the benchmark's sweep); by default
     ``sm90_heuristics.hc_pre_fused_config`` picks them from the token count."""
-    *lead, hc, h = x.shape
-    m = (2 + hc) * hc
-    _expect(x.is_cuda and tuple(fn.shape) == (m, hc * h), f"x must be CUDA [..., hc, H] and fn [(2+hc)*hc = {m}, "
-            f"hc*H], got x {tuple(x.shape)}, fn {tuple(fn.shape)}")
-    norm = norm_weight is not None
-    if norm:
-        _expect(tuple(norm_weight.shape) == (h,), f"norm_weight must be [{h}], got {tuple(norm_weight.shape)}")
-    flat = x.float().reshape(-1, hc * h).contiguous()   # a copy only of the embedding's broadcast streams
-    if flat.data_ptr() % 16:                             # a view at an odd offset: the kernel loads 16 bytes
-        flat = flat.clone()
-    n = flat.shape[0]
+    lead, hc, h, flat = _hc_pre_operands(x, fn, norm_weight)
+    norm, n = norm_weight is not None, flat.shape[0]
     config = hc_pre_fused_config(hc, h, n, iters=max(iters, 1), hc_eps=hc_eps, norm_eps=norm_eps, norm=norm)
     if cluster is not None:
         config = replace(config, cluster=cluster)
@@ -541,10 +544,7 @@ def sm90_hc_pre_fused(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     fn32 = fn.float().contiguous()
     if fn32.data_ptr() % 16:
         fn32 = fn32.clone()
-    out = torch.empty(n, h, dtype=torch.float32, device=x.device)
-    pre = torch.empty(n, hc, dtype=torch.float32, device=x.device)
-    post = torch.empty_like(pre)
-    comb = torch.empty(n, hc * hc, dtype=torch.float32, device=x.device)
+    out, pre, post, comb = _hc_pre_outputs(n, hc, h, x.device)
     if n:
         scale32 = scale.float().contiguous()
         weight = norm_weight.float().contiguous() if norm else scale32   # not read without the norm

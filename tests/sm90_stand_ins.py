@@ -81,3 +81,16 @@ def fp8_linear_args(scale_f32: bool = False, out_bf16: bool = False, x_f32: bool
     out = torch.zeros(3, 256, dtype=torch.bfloat16 if out_bf16 else torch.float32)
     x = torch.zeros(3, 256, dtype=torch.float32 if x_f32 else torch.bfloat16)
     return [torch.zeros(256, 256, dtype=torch.uint8), scale, x, out]
+
+
+def random_fp8_weight(n: int, k: int, groups: int, scale_f32: bool, gen: torch.Generator,
+                      subnormal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random FP8 weight bytes [G * N, K] (no NaN code; ``subnormal``: only subnormal magnitudes) and 128 x 128 block
+    scales, E8M0 (2**-17 .. 2**-3) or float32, drawn from ``gen`` on its device."""
+    dev, rows = gen.device, groups * n
+    mag = torch.randint(0, 0x08 if subnormal else 0x7F, (rows, k), device=dev, generator=gen)  # no NaN code
+    w = (mag | (torch.randint(0, 2, (rows, k), device=dev, generator=gen) << 7)).to(torch.uint8)
+    blocks = (-(-rows // 128), k // 128)
+    if scale_f32:
+        return w, torch.rand(blocks, device=dev, generator=gen) * 2 ** -9 + 2 ** -11
+    return w, torch.randint(110, 125, blocks, device=dev, generator=gen).to(torch.uint8).view(torch.float8_e8m0fnu)

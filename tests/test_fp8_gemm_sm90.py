@@ -23,6 +23,7 @@ from nvfp4_megamoe.kernels.fp8_reference import fp8_act_quantize, fp8_w8a8_linea
 from nvfp4_megamoe.kernels.sm90_config import Fp8GemmConfig  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_heuristics import fp8_gemm_config, fp8_gemm_configs  # noqa: E402
 from numeric import rel_err  # noqa: E402
+from sm90_stand_ins import random_fp8_weight  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from fp8_linear_bench import fp8_shapes  # noqa: E402
@@ -126,15 +127,7 @@ def test_fp8_gemm_compiles_sm90a_other_operands():
 # -- on the H200 -----------------------------------------------------------------------------------------------------
 def _operands(n: int, k: int, groups: int, scale_f32: bool, tokens: int, seed: int, x_dtype=torch.bfloat16):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    rows = groups * n
-    mag = torch.randint(0, 0x7F, (rows, k), device="cuda", generator=gen)            # no NaN code
-    w = (mag | (torch.randint(0, 2, (rows, k), device="cuda", generator=gen) << 7)).to(torch.uint8)
-    blocks = (rows // 128, k // 128)
-    if scale_f32:
-        scale = torch.rand(blocks, device="cuda", generator=gen) * 2 ** -9 + 2 ** -11
-    else:
-        scale = torch.randint(110, 125, blocks, device="cuda", generator=gen).to(torch.uint8)
-        scale = scale.view(torch.float8_e8m0fnu)
+    w, scale = random_fp8_weight(n, k, groups, scale_f32, gen)
     # a spread of magnitudes between blocks, as real activations have (each block's own scale matters)
     x = torch.randn(tokens, groups * k, device="cuda", generator=gen)
     x *= torch.exp2(torch.randint(-6, 7, (tokens, groups * k // 128, 1), device="cuda", generator=gen).float()

@@ -18,7 +18,7 @@ from nvfp4_megamoe.kernels.sm90_config import Fp8LinearConfig  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_heuristics import (  # noqa: E402
     FP8_KERNEL_MAX_TOKENS, fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts)
 from numeric import rel_err  # noqa: E402
-from sm90_stand_ins import FP8_LINEAR_SHAPES  # noqa: E402
+from sm90_stand_ins import FP8_LINEAR_SHAPES, random_fp8_weight  # noqa: E402
 
 
 
@@ -101,15 +101,7 @@ def test_fp8_linear_compiles_sm90a(n, k, groups, scale_dtype, x_dtype):
 
 def _operands(n: int, k: int, groups: int, scale_f32: bool, tokens: int, seed: int, subnormal: bool = False):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    rows = groups * n
-    mag = torch.randint(0, 0x08 if subnormal else 0x7F, (rows, k), device="cuda", generator=gen)  # no NaN code
-    w = (mag | (torch.randint(0, 2, (rows, k), device="cuda", generator=gen) << 7)).to(torch.uint8)
-    blocks = (-(-rows // 128), k // 128)
-    if scale_f32:
-        scale = torch.rand(blocks, device="cuda", generator=gen) * 2 ** -9 + 2 ** -11
-    else:
-        scale = torch.randint(110, 125, blocks, device="cuda", generator=gen).to(torch.uint8)
-        scale = scale.view(torch.float8_e8m0fnu)
+    w, scale = random_fp8_weight(n, k, groups, scale_f32, gen, subnormal)
     x = (torch.randn(tokens, groups * k, device="cuda", generator=gen) * 2).to(torch.bfloat16)
     return w, scale, x
 

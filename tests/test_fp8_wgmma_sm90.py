@@ -21,7 +21,7 @@ from nvfp4_megamoe.kernels.fp8_reference import fp8_linear  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_config import Fp8WgmmaConfig  # noqa: E402
 from nvfp4_megamoe.kernels.sm90_heuristics import fp8_wgmma_config, fp8_wgmma_token_counts  # noqa: E402
 from numeric import rel_err  # noqa: E402
-from sm90_stand_ins import FP8_LINEAR_SHAPES, fp8_linear_args  # noqa: E402
+from sm90_stand_ins import FP8_LINEAR_SHAPES, fp8_linear_args, random_fp8_weight  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 BENCH_TOKENS = (32, 64, 128, 2048)  # the benchmark's token counts that time ``fp8_wgmma`` (2048: ``--prefill``)
@@ -100,17 +100,8 @@ def test_warmup_compiles_every_pick():
 
 def _operands(n: int, k: int, groups: int, scale_f32: bool, tokens: int, seed: int):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    rows = groups * n
-    mag = torch.randint(0, 0x7F, (rows, k), device="cuda", generator=gen)  # no NaN code
-    w = (mag | (torch.randint(0, 2, (rows, k), device="cuda", generator=gen) << 7)).to(torch.uint8)
-    blocks = (-(-rows // 128), k // 128)
-    if scale_f32:
-        scale = torch.rand(blocks, device="cuda", generator=gen) * 2 ** -9 + 2 ** -11
-    else:
-        scale = torch.randint(110, 125, blocks, device="cuda", generator=gen).to(torch.uint8)
-        scale = scale.view(torch.float8_e8m0fnu)
-    x = torch.randn(tokens, groups * k, device="cuda", generator=gen) * 2
-    return w, scale, x
+    w, scale = random_fp8_weight(n, k, groups, scale_f32, gen)
+    return w, scale, torch.randn(tokens, groups * k, device="cuda", generator=gen) * 2
 
 
 def _want(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int) -> torch.Tensor:
