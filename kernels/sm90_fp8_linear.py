@@ -62,11 +62,7 @@ def fp8_violations(config: Fp8LinearConfig) -> list[str]:
         bad.append(f"row_tiles must be 1 or 2, got {c.row_tiles}")
     elif c.n <= 0 or c.n % rows:
         bad.append(f"N={c.n} must be a positive multiple of the CTA's {rows} rows")
-    if c.groups < 1 or (c.groups > 1 and c.n % SCALE_BLOCK):
-        bad.append(f"groups must be >= 1, and above 1 only with N a multiple of {SCALE_BLOCK}; got {c.groups} "
-                   f"(N={c.n})")
-    if c.k <= 0 or c.k % K_TILE:
-        bad.append(f"K={c.k} must be a positive multiple of {K_TILE}")
+    bad += groups_and_k_violations(c.n, c.k, c.groups)
     if c.tile_tokens % 8 or not 8 <= c.tile_tokens <= 64:
         bad.append(f"tile_tokens must be a multiple of 8 in [8, 64], got {c.tile_tokens}")
     if c.k_splits < 1 or (c.k_splits > 1 and c.out_bf16):
@@ -74,6 +70,17 @@ def fp8_violations(config: Fp8LinearConfig) -> list[str]:
     elif c.depth not in (1, 2, 4) or c.depth * c.row_tiles > 4 or (c.k // K_TILE) % (c.k_splits * c.depth):
         bad.append(f"depth must be 1, 2 or 4, at most 4 / row_tiles, and divide each of the {c.k_splits} K "
                    f"shares' k-tiles ({c.k // K_TILE} in all); got {c.depth}")
+    return bad
+
+
+def groups_and_k_violations(n: int, k: int, groups: int) -> list[str]:
+    """What the FP8 linear kernels (mma.sync and WGMMA) do not take in the groups and K of a configuration: each
+    group's weight rows whole 128-row scale blocks when there are several, K whole k-tiles."""
+    bad = []
+    if groups < 1 or (groups > 1 and n % SCALE_BLOCK):
+        bad.append(f"groups must be >= 1, and above 1 only with N a multiple of {SCALE_BLOCK}; got {groups} (N={n})")
+    if k <= 0 or k % K_TILE:
+        bad.append(f"K={k} must be a positive multiple of {K_TILE}")
     return bad
 
 

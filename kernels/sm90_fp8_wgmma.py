@@ -53,7 +53,8 @@ from cutlass import Float32, Int32, Int64
 from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import K_TILE, Fp8WgmmaConfig
-from .sm90_fp8_linear import LANE_K, SCALE_BLOCK, Fp8LinearParts, _scale_operand, decode_e4m3x4, fp8_operands
+from .sm90_fp8_linear import (LANE_K, SCALE_BLOCK, Fp8LinearParts, _scale_operand, decode_e4m3x4, fp8_operands,
+                              groups_and_k_violations)
 from .sm90_heuristics import fp8_wgmma_config, fp8_wgmma_pays, fp8_wgmma_token_counts
 
 STAGES = 3           # staged x tiles: the MMAs' (kt), the one in flight before them (kt - 1), the one being stored
@@ -76,11 +77,7 @@ def fp8_wgmma_violations(config: Fp8WgmmaConfig) -> list[str]:
     elif (4 * c.tile_tokens) % (128 * c.warpgroups):
         bad.append(f"the {4 * c.tile_tokens} staging units of N = {c.tile_tokens} must be a multiple of the CTA's "
                    f"{128 * c.warpgroups} threads")
-    if c.groups < 1 or (c.groups > 1 and c.n % SCALE_BLOCK):
-        bad.append(f"groups must be >= 1, and above 1 only with N a multiple of {SCALE_BLOCK}; got {c.groups} "
-                   f"(N={c.n})")
-    if c.k <= 0 or c.k % K_TILE:
-        bad.append(f"K={c.k} must be a positive multiple of {K_TILE}")
+    bad += groups_and_k_violations(c.n, c.k, c.groups)
     if c.tile_tokens % 16 or not 16 <= c.tile_tokens <= 256:
         bad.append(f"tile_tokens must be a multiple of 16 in [16, 256], got {c.tile_tokens}")
     elif _smem_bytes(c.tile_tokens) > ptx.SMEM_LIMIT:
