@@ -375,6 +375,7 @@ def gemm_op(config: Fp8GemmConfig) -> Sm90Fp8Gemm:
     return Sm90Fp8Gemm(config)
 
 
+@functools.lru_cache(maxsize=None)
 def can_implement(n: int, k: int, groups: int = 1) -> bool:
     """Whether the GEMM tiles ``groups`` W [N, K] (N and K multiples of 128), at any token count."""
     return (n > 0 and k > 0 and groups >= 1
@@ -432,6 +433,14 @@ def sm90_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
         out = torch.empty(t, groups * n, dtype=torch.float32, device=x.device)
     _expect(tuple(out.shape) == (t, groups * n) and out.dtype == torch.float32 and out.is_contiguous(),
             f"out must be contiguous float32 [T, G*N={groups * n}], got {out.dtype} {tuple(out.shape)}")
+    return launch_gemm(x, weight, scale, out, groups)
+
+
+def launch_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                groups: int) -> torch.Tensor:
+    """Quantise x and run the GEMM on operands already checked (:func:`sm90_fp8_gemm`, or ``sm90_fp8_linear``,
+    which dispatches here); returns ``out``."""
+    n, k, t = weight.shape[0] // groups, weight.shape[1], x.shape[0]
     xq, sx = quantize_activations(x)
     config = fp8_gemm_config(n, k, t, groups, scale.dtype == torch.float32)
     _launch(gemm_op(config), [xq, sx, weight.view(torch.uint8), _scale_operand(scale), out])

@@ -42,7 +42,7 @@ from . import sm90_ptx as ptx
 from .cute_host import compile_op as _compile, expect as _expect, launch as _launch
 from .sm90_config import K_TILE, Fp8LinearConfig
 from .sm90_heuristics import (FP8_W8A8_MIN_TOKENS, fp8_kernel_pays, fp8_linear_config, fp8_linear_token_counts,
-                              fp8_reads_f32_x, fp8_w8a8_pays, fp8_wgmma_pays)
+                              fp8_reads_f32_x, fp8_w8a8_pays, fp8_wgmma_config, fp8_wgmma_pays)
 
 WARPS = 4                 # row groups (warps) per CTA, each 16 * row_tiles weight rows
 SCALE_BLOCK = 128         # rows and columns of one block scale
@@ -458,16 +458,18 @@ def sm90_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     _expect(tuple(out.shape) == (x.shape[0], groups * n) and out.dtype in (torch.bfloat16, torch.float32)
             and out.is_contiguous(), f"out must be contiguous bf16/f32 [T, G*N={groups * n}], got {out.dtype} "
                                      f"{tuple(out.shape)}")
+    # the operands are checked: the other kernels' launches, not their checking hosts
     if fp8_wgmma_pays(x.shape[0]) and out.dtype == torch.float32:
         from . import sm90_fp8_wgmma   # it builds on this module's parts
 
-        if sm90_fp8_wgmma.can_implement(n, k, x.shape[0], groups):
-            return sm90_fp8_wgmma.sm90_fp8_linear_wgmma(x, weight, scale, out, groups)
+        config = fp8_wgmma_config(n, k, x.shape[0], groups, scale.dtype == torch.float32)
+        if config is not None and sm90_fp8_wgmma.Sm90Fp8WgmmaLinear.can_implement(config):
+            return sm90_fp8_wgmma.launch_linear(x, weight, scale, out, config)
     if fp8_w8a8_pays(x.shape[0]) and out.dtype == torch.float32 and weight.data_ptr() % 16 == 0:
         from . import sm90_fp8_gemm
 
         if sm90_fp8_gemm.can_implement(n, k, groups):
-            return sm90_fp8_gemm.sm90_fp8_gemm(x, weight, scale, groups=groups, out=out)
+            return sm90_fp8_gemm.launch_gemm(x, weight, scale, out, groups)
     if not fp8_kernel_pays(x.shape[0]):
         return _dequantized_linear(x, weight, scale, out, groups)
     if x.dtype == torch.float32 and not fp8_reads_f32_x(x.shape[0]):

@@ -328,6 +328,13 @@ def sm90_fp8_linear_wgmma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Te
             f"out must be contiguous f32 [T, G*N={groups * n}], got {out.dtype} {tuple(out.shape)}")
     config = fp8_wgmma_config(n, k, x.shape[0], groups, scale.dtype == torch.float32)
     _expect(config is not None, f"the FP8 WGMMA linear does not tile {groups} W [{n}, {k}]")
+    return launch_linear(x, weight, scale, out, config)
+
+
+def launch_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                  config: Fp8WgmmaConfig) -> torch.Tensor:
+    """Run ``config`` on operands already checked (:func:`sm90_fp8_linear_wgmma`, or ``sm90_fp8_linear``, which
+    dispatches here): x cast to BF16 where it is float32, ``out`` zeroed where K is split; returns ``out``."""
     op = linear_op(config)
     if x.dtype == torch.float32:
         x = x.to(torch.bfloat16)
