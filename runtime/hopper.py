@@ -371,7 +371,7 @@ class HopperBackend(ReferenceBackend):
         if not (q.is_cuda and keys.shape[1] and sm90_indexer.Sm90IndexerScores.can_implement(heads, dim)
                 and n * t <= sm90_indexer.MAX_ROWS):
             return super().chunk_topk(q, keys, weights, n_visible, k, block)
-        n_valid = n_visible.to(q.device, torch.int32).expand(n, t).reshape(n * t)
+        n_valid = _per_query(n_visible, n, t, q.device)
         picked = self._indexer_picks(q.reshape(n * t, heads, dim), keys, weights.reshape(n * t, heads), k, n_valid)
         return picked.view(n, t, k).long()
 
@@ -419,7 +419,7 @@ class HopperBackend(ReferenceBackend):
         if entries is not None and entries.shape[1]:
             kvc = bf(entries)
             if index is None:     # HCA
-                count = n_visible.to(q.device, torch.int32).repeat(n).contiguous()
+                count = _per_query(n_visible, n, t, q.device)
             else:
                 iq, index_keys, index_weights = index
                 indices = self.chunk_topk(iq, index_keys, index_weights, n_visible, topk, 0)
@@ -589,6 +589,12 @@ class HopperBackend(ReferenceBackend):
                 d = cw.norm.shape[-1]
                 steps.append(_compress_config(ratio, d, width == 2 * d, rope_pairs, cfg.rms_norm_eps))
         sm90_compressor.warmup([c for c in steps if sm90_compressor.Sm90CompressStep.can_implement(c)], dev)
+
+
+def _per_query(n_visible: torch.Tensor, n: int, t: int, device: torch.device) -> torch.Tensor:
+    """A chunk's visible-entry counts, int [T] (or [n, T]), as the kernels' int32 [n * T], one per query of each slot
+    (query t of slot s is request s * T + t)."""
+    return n_visible.to(device, torch.int32).expand(n, t).reshape(n * t).contiguous()
 
 
 def _compress_config(ratio: int, dim: int, overlap: bool, rope_pairs: int, eps: float):
